@@ -1,0 +1,152 @@
+"""Pieces shared by both model families: norms, MoE loss aggregation, and the `save_pretrained` that makes a
+checkpoint folder self-contained for `trust_remote_code=True`.
+
+Transformers' remote-code loader copies a model's modeling/configuration files and, recursively, only the files
+they import with `from .name import ...` from the same folder. Our modules live in a package tree
+(`hf_ppmoe/moe/...`, `hf_ppmoe/modeling/...`), so `save_pretrained` writes a flattened copy of every module the
+model needs (`hf_ppmoe/moe/layer.py` -> `moe_layer.py`, imports rewritten to `from .moe_layer import ...`) and the
+`auto_map` that points at them. The same code runs again from such a flattened folder, where names are already flat.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers import initialization as init
+
+from ..moe.experts import Experts
+from ..moe.gates import Gate
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Llama, T5): statistics in float32, no mean subtraction, no bias."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+def build_norm(norm_type: str, hidden_size: int, eps: float) -> nn.Module:
+    return RMSNorm(hidden_size, eps) if norm_type == "rmsnorm" else nn.LayerNorm(hidden_size, eps=eps)
+
+
+def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Aux and z losses averaged over the MoE layers (so the coefficients do not depend on depth)."""
+    if not routings:
+        return None, None
+    aux = torch.stack([r.aux_loss for r in routings]).mean()
+    z = torch.stack([r.z_loss for r in routings]).mean()
+    return aux, z
+
+
+_RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)
+_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+
+
+def _flat_name(module_name: str) -> str:
+    """hf_ppmoe.moe.layer -> moe_layer; hf_ppmoe.modeling.x -> x; an already flattened module keeps its name."""
+    parts = module_name.split(".")
+    if parts[0] == "hf_ppmoe" and len(parts) == 3 and parts[1] != "modeling":
+        return f"{parts[1]}_{parts[2]}"
+    return parts[-1]
+
+
+def write_remote_code(folder: str | os.PathLike, module_names: list[str]) -> list[str]:
+    """Write flattened copies of `module_names` and every module they import relatively into `folder`."""
+    written, todo = {}, list(module_names)
+    while todo:
+        name = todo.pop()
+        if name in written:
+            continue
+        module = sys.modules[name]
+        source = Path(module.__file__).read_text(encoding="utf-8")
+
+        def rewrite(match, package=module.__package__):
+            target = importlib.util.resolve_name(match.group(2), package)
+            if importlib.util.find_spec(target) is None or target.count(".") == 0:
+                raise ImportError(f"{name}: cannot carry relative import {match.group(2)!r} into a checkpoint")
+            todo.append(target)
+            return f"{match.group(1)}from .{_flat_name(target)} import "
+
+        written[name] = _RELATIVE_IMPORT.sub(rewrite, source)
+    for name, source in written.items():
+        Path(folder, f"{_flat_name(name)}.py").write_text(source, encoding="utf-8")
+    return [f"{_flat_name(n)}.py" for n in written]
+
+
+class MoEPreTrainedModel(PreTrainedModel):
+    """Base of both families: MoE weight init and an all-or-nothing, self-contained `save_pretrained`."""
+
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_flash_attn = True
+    _supports_sdpa = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True
+    # {"AutoModelForCausalLM": "GPTMoEForCausalLM", ...}: Auto classes written into the saved config's auto_map
+    _auto_classes: dict[str, str] = {}
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, Experts):
+            init.normal_(module.in_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+            if module.has_bias:
+                init.zeros_(module.in_proj_bias)
+                init.zeros_(module.down_proj_bias)
+        elif isinstance(module, Gate):
+            init.normal_(module.weight, mean=0.0, std=std)
+
+    def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
+        """Transformers' `save_pretrained`, written into a temporary folder first and moved into place only once
+        complete (a failed save leaves the target untouched), plus the code for `trust_remote_code=True`."""
+        if not is_main_process:
+            return super().save_pretrained(save_directory, *args, is_main_process=False, **kwargs)
+        target = Path(save_directory)
+        if target.is_file():
+            raise ValueError(f"save_pretrained needs a directory, but {target} is a file.")
+        if kwargs.get("push_to_hub") and not kwargs.get("repo_id"):
+            kwargs["repo_id"] = target.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+        model_module = type(self).__module__
+        config_module = type(self.config).__module__
+        self.config.auto_map = {
+            "AutoConfig": f"{_flat_name(config_module)}.{type(self.config).__name__}",
+            **{auto: f"{_flat_name(model_module)}.{cls}" for auto, cls in self._auto_classes.items()},
+        }
+        try:
+            write_remote_code(staging, [model_module, config_module])
+            result = super().save_pretrained(staging, *args, **kwargs)
+            target.mkdir(exist_ok=True)
+            new_files = {p.name for p in staging.iterdir()}
+            for stale in target.iterdir():  # weights of an earlier save that this one does not overwrite
+                if stale.is_file() and _WEIGHT_FILE.match(stale.name) and stale.name not in new_files:
+                    stale.unlink()
+            for item in staging.iterdir():
+                destination = target / item.name
+                if destination.is_dir():
+                    shutil.rmtree(destination)
+                os.replace(item, destination)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        return result

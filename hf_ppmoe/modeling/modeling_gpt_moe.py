@@ -1,0 +1,339 @@
+"""GPT-MoE: a decoder-only transformer (GPT-2 or Llama style) whose every `moe_layer_frequency`-th FFN is an
+`MoELayer`. Single-device code: parallelism is applied from `hf_ppmoe.parallel`.
+
+Legend: B batch, L query length, H hidden, T = B * L tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import repeat_kv
+
+from ..moe.experts import MLP
+from ..moe.layer import MoELayer
+from .common import MoEPreTrainedModel, build_norm, mean_router_losses
+from .configuration_gpt_moe import GPTMoEConfig
+
+
+@dataclass
+class GPTMoEModelOutput(MoeModelOutputWithPast):
+    """`router_logits` / `router_expert_ids`: one `[T, E]` / `[T, K]` tensor per MoE layer (with
+    output_router_logits); `aux_loss` / `z_loss`: router losses averaged over the MoE layers."""
+
+    router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+@dataclass
+class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
+    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given)."""
+
+    router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    z_loss: torch.Tensor | None = None
+
+
+class GPTMoERotaryEmbedding(nn.Module):
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__()
+        self.config = config
+        self.max_seq_len_cached = self.original_max_seq_len = config.max_position_embeddings
+        self.rope_type = config.rope_parameters["rope_type"]
+        init_fn = self.compute_default_rope_parameters
+        if self.rope_type != "default":
+            init_fn = ROPE_INIT_FUNCTIONS[self.rope_type]
+        inv_freq, self.attention_scaling = init_fn(config)
+        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        self.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+
+    @staticmethod
+    def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
+        base = config.rope_parameters["rope_theta"]
+        dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+
+    @torch.no_grad()
+    @dynamic_rope_update
+    def forward(self, x, position_ids):
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class GPTMoEAttention(nn.Module):
+    def __init__(self, config: GPTMoEConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = True
+        H, qkv_bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(H, config.num_attention_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, H, bias=config.attention_output_bias)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+        input_shape = hidden_states.shape[:-1]
+        shape = (*input_shape, -1, self.head_dim)
+        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        if position_embeddings is not None:
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        if past_key_values is not None:
+            k, v = past_key_values.update(k, v, self.layer_idx)
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=self.config.sliding_window,
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+class GPTMoEDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: GPTMoEConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.self_attn = GPTMoEAttention(config, layer_idx)
+        self.post_attention_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = MoELayer(config) if self.is_moe else MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_embeddings=None,
+        past_key_values=None,
+        token_mask=None,
+        **kwargs,
+    ):
+        attn_out, attn_weights = self.self_attn(
+            self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(attn_out)
+        h = self.post_attention_layernorm(hidden_states)
+        routing = None
+        if self.is_moe:
+            h, routing = self.mlp(h, token_mask)
+        else:
+            h = self.mlp(h)
+        return hidden_states + self.dropout(h), routing, attn_weights
+
+
+class GPTMoEPreTrainedModel(MoEPreTrainedModel):
+    config: GPTMoEConfig
+    config_class = GPTMoEConfig
+    _no_split_modules = ["GPTMoEDecoderLayer"]
+
+
+class GPTMoEModel(GPTMoEPreTrainedModel):
+    _auto_classes = {"AutoModel": "GPTMoEModel"}
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            self.rotary_emb = GPTMoERotaryEmbedding(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(GPTMoEDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> GPTMoEModelOutput:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
+        config = self.config
+        use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
+        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
+        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
+        output_router_logits = output_router_logits if output_router_logits is not None else config.output_router_logits
+
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)
+        seq_len = inputs_embeds.shape[1]
+        if position_ids is None:
+            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device).unsqueeze(0)
+
+        hidden_states = inputs_embeds
+        position_embeddings = None
+        if config.position_embedding_type == "learned":
+            hidden_states = hidden_states + self.embed_positions(position_ids)
+        else:
+            position_embeddings = self.rotary_emb(hidden_states, position_ids)
+        hidden_states = self.dropout(hidden_states)
+
+        make_mask = create_causal_mask if config.sliding_window is None else create_sliding_window_causal_mask
+        causal_mask = make_mask(
+            config=config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            past_key_values=past_key_values,
+            position_ids=position_ids,
+        )
+        # padding tokens are kept out of routing statistics and router losses (a 4D mask carries no such notion)
+        token_mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+
+        all_hidden, all_attn, routings = [], [], []
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden.append(hidden_states)
+            hidden_states, routing, attn_weights = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                token_mask=token_mask,
+                position_ids=position_ids,
+                **kwargs,
+            )
+            if routing is not None:
+                routings.append(routing)
+            if output_attentions:
+                all_attn.append(attn_weights)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden.append(hidden_states)
+
+        aux_loss, z_loss = mean_router_losses(routings)
+        return GPTMoEModelOutput(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values if use_cache else None,
+            hidden_states=tuple(all_hidden) if output_hidden_states else None,
+            attentions=tuple(all_attn) if output_attentions else None,
+            router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
+            router_expert_ids=tuple(r.expert_ids for r in routings) if output_router_logits else None,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+        )
+
+
+class GPTMoEForCausalLM(GPTMoEPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}
+
+    def __init__(self, config: GPTMoEConfig):
+        super().__init__(config)
+        self.model = GPTMoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        **kwargs,
+    ) -> GPTMoECausalLMOutput:
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden[:, keep, :])
+
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+            if out.aux_loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+        return GPTMoECausalLMOutput(
+            loss=loss,
+            aux_loss=out.aux_loss,
+            z_loss=out.z_loss,
+            logits=logits,
+            past_key_values=out.past_key_values,
+            hidden_states=out.hidden_states,
+            attentions=out.attentions,
+            router_logits=out.router_logits,
+            router_expert_ids=out.router_expert_ids,
+        )
+
+
+__all__ = ["GPTMoEForCausalLM", "GPTMoEModel", "GPTMoEPreTrainedModel"]

@@ -1,0 +1,29 @@
+"""Model-agnostic MoE building blocks (single device; parallelism is applied from `hf_ppmoe.parallel`)."""
+
+from .experts import MLP, Experts, einsum_dispatch, index_dispatch
+from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
+from .layer import MoELayer
+from .losses import load_balancing_loss, router_z_loss
+from .routing import Routing, capacity_for, group_size_for, positions_in_expert
+
+__all__ = [
+    "GATES",
+    "Experts",
+    "GShardGate",
+    "Gate",
+    "MLP",
+    "MoELayer",
+    "PrototypeGate",
+    "Routing",
+    "SwitchGate",
+    "TopKGate",
+    "capacity_for",
+    "einsum_dispatch",
+    "get_gate_class",
+    "group_size_for",
+    "index_dispatch",
+    "load_balancing_loss",
+    "positions_in_expert",
+    "register_gate",
+    "router_z_loss",
+]

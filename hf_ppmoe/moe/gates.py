@@ -1,0 +1,242 @@
+"""Gates: the `Gate` base class, its registry, and the built-in gates.
+
+Legend: T tokens, H hidden, E experts, K routes per token, Z prototypes, F experts per prototype, S group size.
+
+A gate reads any config object with the attributes below (our model configs have them all) and maps hidden states
+`[T, H]` to a `Routing`. Subclasses implement `select`, which only chooses routes; the base class applies padding,
+capacity, losses and statistics the same way for every gate, so a gate of your own is a few lines:
+
+    @register_gate("my_gate")
+    class MyGate(Gate):
+        def select(self, logits):   # logits [T, E] float32
+            ...                     # -> expert_ids [T, K], weights [T, K], probs [T, E], assignment [T, E]
+
+Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
+`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, and per gate `router_random_routing` (gshard)
+and `norm_topk_prob` (topk).
+
+Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
+set (else the default generator), so tensor-parallel ranks that share a seed draw the same numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .losses import load_balancing_loss, router_z_loss
+from .routing import Routing, capacity_for, group_size_for, positions_in_expert
+
+GATES: dict[str, type[Gate]] = {}
+
+
+def register_gate(name: str):
+    """Class decorator adding a `Gate` subclass to the registry under `name` (the config's `router_type`)."""
+
+    def decorator(cls):
+        if not (isinstance(cls, type) and issubclass(cls, Gate)):
+            raise TypeError(f"register_gate({name!r}) expects a subclass of hf_ppmoe.moe.Gate, got {cls!r}")
+        GATES[name] = cls
+        cls.router_type = name
+        return cls
+
+    return decorator
+
+
+def get_gate_class(name: str) -> type[Gate]:
+    if name not in GATES:
+        raise ValueError(
+            f"Unknown router_type {name!r}. Known gates: {', '.join(sorted(GATES))}. "
+            "Register your own with @hf_ppmoe.moe.register_gate(name)."
+        )
+    return GATES[name]
+
+
+class Gate(nn.Module):
+    """Router weight `[E, H]` + route selection. Output: a `Routing` (see routing.py)."""
+
+    router_type = "base"
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+        self.capacity_factor = config.capacity_factor
+        self.eval_capacity_factor = config.eval_capacity_factor
+        self.num_groups = config.router_num_groups
+        self.jitter_noise = config.router_jitter_noise
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.generator: torch.Generator | None = None
+
+    @classmethod
+    def check_config(cls, config) -> None:
+        """Raise ValueError for settings this gate cannot work with (called when a model config is built)."""
+
+    def select(self, logits: torch.Tensor):
+        """logits [T, E] float32 -> expert_ids [T, K] (sentinel E for a route not taken), weights [T, K],
+        probs [T, E] (for the load-balancing loss), assignment [T, E] (each token's share of routes per expert)."""
+        raise NotImplementedError
+
+    def load_balancing_loss(self, probs, assignment, token_mask, group_size):
+        return load_balancing_loss(probs, assignment, token_mask, group_size)
+
+    def z_loss(self, logits, token_mask):
+        return router_z_loss(logits, token_mask)
+
+    def _uniform(self, shape, device) -> torch.Tensor:
+        return torch.rand(shape, device=device, generator=self.generator)
+
+    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> Routing:
+        T, E = hidden_states.shape[0], self.num_experts
+        if token_mask is None:
+            token_mask = torch.ones(T, dtype=torch.bool, device=hidden_states.device)
+        x = hidden_states
+        if self.training and self.jitter_noise > 0:
+            # multiplicative jitter (Switch Transformer) on a copy: the caller's tensor is never modified
+            x = x * (1.0 - self.jitter_noise + 2.0 * self.jitter_noise * self._uniform(x.shape, x.device))
+        logits = F.linear(x.float(), self.weight.float())  # [T, E], routing in float32
+        expert_ids, weights, probs, assignment = self.select(logits)
+
+        valid = token_mask.view(T, 1)
+        expert_ids = expert_ids.masked_fill(~valid, E)
+        weights = weights.masked_fill(~valid, 0.0)
+        chosen = expert_ids < E
+
+        group_size = group_size_for(T, self.num_groups)
+        factor = self.capacity_factor if self.training else self.eval_capacity_factor
+        capacity = capacity_for(factor, expert_ids.shape[1], group_size, E)
+        if capacity is not None:
+            # overflowed routes are dropped: the token passes through the residual connection only
+            keep = chosen & (positions_in_expert(expert_ids, E, group_size) < capacity)
+            expert_ids = expert_ids.masked_fill(~keep, E)
+            weights = weights.masked_fill(~keep, 0.0)
+
+        with torch.no_grad():
+            tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=E + 1)[:E]
+            num_chosen = chosen.sum()
+            dropped = (num_chosen - tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
+        return Routing(
+            expert_ids=expert_ids,
+            weights=weights,
+            router_logits=logits,
+            num_experts=E,
+            aux_loss=self.load_balancing_loss(probs, assignment, token_mask, group_size),
+            z_loss=self.z_loss(logits, token_mask),
+            tokens_per_expert=tokens_per_expert,
+            dropped_fraction=dropped,
+            group_size=group_size,
+            capacity=capacity,
+        )
+
+
+def _one_hot(ids: torch.Tensor, num_classes: int, dtype) -> torch.Tensor:
+    return F.one_hot(ids, num_classes).to(dtype)
+
+
+@register_gate("switch")
+class SwitchGate(Gate):
+    """Switch Transformer top-1: the token goes to its most probable expert, weighted by that probability."""
+
+    @classmethod
+    def check_config(cls, config):
+        if config.num_experts_per_tok != 1:
+            raise ValueError(
+                f"router_type='switch' routes each token to 1 expert, but num_experts_per_tok="
+                f"{config.num_experts_per_tok}. Set num_experts_per_tok=1, or use router_type='topk'."
+            )
+
+    def select(self, logits):
+        probs = logits.softmax(dim=-1)
+        weight, expert = probs.max(dim=-1, keepdim=True)
+        return expert, weight, probs, _one_hot(expert[:, 0], self.num_experts, probs.dtype)
+
+
+@register_gate("topk")
+class TopKGate(Gate):
+    """Top-k of the softmax over all experts (Mixtral style), optionally renormalised to sum to one."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.normalize = config.norm_topk_prob
+
+    def select(self, logits):
+        probs = logits.softmax(dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        assignment = _one_hot(experts, self.num_experts, probs.dtype).mean(dim=1)
+        return experts, weights, probs, assignment
+
+
+@register_gate("gshard")
+class GShardGate(Gate):
+    """GShard Algorithm 1: group-level top-2 gating.
+
+    g1, g2 are the top-2 softmax gates, normalised by g1 + g2. In training the second expert is used only with
+    probability min(1, 2 * g2) (random routing). Capacity per group (base class) fills every token's first route
+    before any second route. The aux loss counts first choices only: c_e = tokens whose top-1 is e, taken before
+    capacity as in the authors' Lingvo implementation, so it reads "the fraction of input routed to each expert".
+    """
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.random_routing = config.router_random_routing
+
+    @classmethod
+    def check_config(cls, config):
+        if config.num_experts_per_tok != 2:
+            raise ValueError(
+                f"router_type='gshard' is GShard's top-2 gating, but num_experts_per_tok={config.num_experts_per_tok}. "
+                "Set num_experts_per_tok=2, or use router_type='topk' for other k."
+            )
+
+    def select(self, logits):
+        probs = logits.softmax(dim=-1)
+        gates, experts = probs.topk(2, dim=-1)
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+        if self.training and self.random_routing:
+            # dispatch to the second-best expert with probability 2 * g2 (Algorithm 1, lines 19-21)
+            skip = 2.0 * gates[:, 1] <= self._uniform(gates.shape[0], gates.device)
+            experts = experts.clone()
+            experts[:, 1] = experts[:, 1].masked_fill(skip, self.num_experts)
+            gates = torch.stack([gates[:, 0], gates[:, 1].masked_fill(skip, 0.0)], dim=1)
+        return experts, gates, probs, _one_hot(experts[:, 0], self.num_experts, probs.dtype)
+
+
+@register_gate("prototype")
+class PrototypeGate(Gate):
+    """M6-T expert prototyping, "k top-1": the E experts are split into k = num_experts_per_tok prototypes of
+    F = E / k experts; each prototype has its own softmax over its F experts and routes top-1, and the k outputs are
+    summed: y = sum_i p_i E_i(x). Aux and z losses are computed per prototype (F^2 scaling) and averaged."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.num_prototypes = self.top_k
+        self.experts_per_prototype = self.num_experts // self.top_k
+
+    @classmethod
+    def check_config(cls, config):
+        if config.num_experts % config.num_experts_per_tok != 0:
+            raise ValueError(
+                f"router_type='prototype' splits num_experts={config.num_experts} into num_experts_per_tok="
+                f"{config.num_experts_per_tok} prototypes, which must divide it evenly. Choose num_experts_per_tok "
+                "among the divisors of num_experts."
+            )
+
+    def select(self, logits):
+        T, Z, Fp = logits.shape[0], self.num_prototypes, self.experts_per_prototype
+        probs = logits.view(T, Z, Fp).softmax(dim=-1)  # one softmax per prototype
+        weights, local = probs.max(dim=-1)  # [T, Z]
+        experts = local + torch.arange(Z, device=logits.device) * Fp
+        assignment = _one_hot(local, Fp, probs.dtype)  # [T, Z, F]
+        return experts, weights, probs.view(T, Z * Fp), assignment.view(T, Z * Fp)
+
+    def load_balancing_loss(self, probs, assignment, token_mask, group_size):
+        T, Z, Fp = probs.shape[0], self.num_prototypes, self.experts_per_prototype
+        probs, assignment = probs.view(T, Z, Fp), assignment.view(T, Z, Fp)
+        losses = [load_balancing_loss(probs[:, z], assignment[:, z], token_mask, group_size) for z in range(Z)]
+        return torch.stack(losses).mean()
+
+    def z_loss(self, logits, token_mask):
+        return router_z_loss(logits.view(logits.shape[0], self.num_prototypes, -1), token_mask)
