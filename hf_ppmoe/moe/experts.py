@@ -70,6 +70,9 @@ class Experts(nn.Module):
             else:
                 self.up_proj_bias = nn.Parameter(torch.zeros(E, I))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
+        std = getattr(config, "initializer_range", 0.02)
+        nn.init.normal_(self.in_proj, std=std)
+        nn.init.normal_(self.down_proj, std=std)
         self.act_fn = ACT2FN[config.hidden_act]
         self.dispatch = config.dispatch
         # attributes read by Transformers' experts kernels; sentinel routes are masked there when this is True

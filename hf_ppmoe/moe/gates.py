@@ -67,6 +67,7 @@ class Gate(nn.Module):
         self.num_groups = config.router_num_groups
         self.jitter_noise = config.router_jitter_noise
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=getattr(config, "initializer_range", 0.02))
         self.generator: torch.Generator | None = None
 
     @classmethod

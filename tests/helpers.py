@@ -1,0 +1,36 @@
+import torch
+
+
+def tiny_gpt_config(**overrides):
+    from hf_ppmoe import GPTMoEConfig
+
+    kwargs = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_layer_frequency=1,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=2,
+    )
+    kwargs.update(overrides)
+    return GPTMoEConfig(**kwargs)
+
+
+GPT2_STYLE = dict(
+    position_embedding_type="learned",
+    norm_type="layernorm",
+    layer_norm_eps=1e-5,
+    gated_mlp=False,
+    hidden_act="gelu_new",
+    attention_bias=True,
+    mlp_bias=True,
+    tie_word_embeddings=True,
+    num_key_value_heads=4,
+)

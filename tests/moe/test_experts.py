@@ -1,0 +1,113 @@
+"""Dispatch implementations agree; MoE layers reduce to the dense FFN where they must."""
+
+import copy
+
+import pytest
+import torch
+from helpers import GPT2_STYLE, tiny_gpt_config
+
+from hf_ppmoe.moe import MLP, MoELayer
+
+GATE_SETTINGS = [
+    dict(router_type="topk", num_experts_per_tok=2),
+    dict(router_type="topk", num_experts_per_tok=2, capacity_factor=0.5),
+    dict(router_type="switch", num_experts_per_tok=1, capacity_factor=1.0, router_jitter_noise=0.1),
+    dict(router_type="gshard", num_experts_per_tok=2, capacity_factor=1.0, router_num_groups=2),
+    dict(router_type="prototype", num_experts_per_tok=2, capacity_factor=0.75),
+]
+MLP_STYLES = [dict(), dict(gated_mlp=False, hidden_act="gelu_new", mlp_bias=True)]
+
+
+def run(layer, x, seed=0):
+    """Forward + backward with a fixed seed (so jitter / random routing draw the same numbers)."""
+    layer.zero_grad()
+    torch.manual_seed(seed)
+    x = x.clone().requires_grad_(True)
+    y, routing = layer(x)
+    (y.square().sum() + routing.aux_loss).backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return y.detach(), x.grad, grads, routing
+
+
+@pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
+@pytest.mark.parametrize("gate", GATE_SETTINGS, ids=lambda g: f"{g['router_type']}-cf{g.get('capacity_factor')}")
+@pytest.mark.parametrize("other", ["einsum", "grouped_mm", "batched_mm"])
+def test_dispatch_implementations_agree(gate, mlp, other):
+    config = tiny_gpt_config(num_experts=4, **gate, **mlp)
+    layer = MoELayer(config).train()
+    x = torch.randn(3, 8, 32)
+    y_ref, gx_ref, g_ref, routing = run(layer, x)
+    if gate.get("capacity_factor"):
+        assert routing.dropped_fraction > 0, "the case should exercise dropped routes"
+    for module in layer.modules():
+        if hasattr(module, "dispatch"):
+            module.dispatch = other
+    y, gx, grads, _ = run(layer, x)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gx, gx_ref, atol=1e-5, rtol=1e-5)
+    for name in g_ref:
+        torch.testing.assert_close(grads[name], g_ref[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def copy_dense_into_experts(layer, dense, scale=1.0):
+    """Every expert := the dense FFN (scaled on the output side)."""
+    E = layer.experts.num_experts
+    with torch.no_grad():
+        if layer.experts.has_gate:
+            w_in = torch.cat([dense.gate_proj.weight, dense.up_proj.weight])
+        else:
+            w_in = dense.up_proj.weight
+        layer.experts.in_proj.copy_(w_in.expand(E, -1, -1))
+        layer.experts.down_proj.copy_((dense.down_proj.weight * scale).expand(E, -1, -1))
+        if layer.experts.has_bias:
+            b_in = torch.cat([dense.gate_proj.bias, dense.up_proj.bias]) if layer.experts.has_gate else dense.up_proj.bias
+            layer.experts.in_proj_bias.copy_(b_in.expand(E, -1))
+            layer.experts.down_proj_bias.copy_((dense.down_proj.bias * scale).expand(E, -1))
+
+
+@pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
+def test_one_expert_moe_equals_dense_ffn(mlp):
+    config = tiny_gpt_config(num_experts=1, num_experts_per_tok=1, router_type="switch", **mlp)
+    layer, dense = MoELayer(config), MLP(config)
+    copy_dense_into_experts(layer, dense)
+    x = torch.randn(2, 6, 32)
+    y, routing = layer(x)
+    torch.testing.assert_close(routing.weights, torch.ones(12, 1))  # softmax over a single expert
+    torch.testing.assert_close(y, dense(x))
+
+
+@pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
+@pytest.mark.parametrize(
+    "gate",
+    [dict(router_type="topk", num_experts_per_tok=2), dict(router_type="gshard", num_experts_per_tok=2)],
+    ids=["topk", "gshard"],
+)
+def test_identical_experts_with_normalised_weights_equal_dense(gate, mlp):
+    config = tiny_gpt_config(num_experts=4, **gate, **mlp)
+    layer, dense = MoELayer(config).eval(), MLP(config)
+    copy_dense_into_experts(layer, dense)
+    x = torch.randn(2, 6, 32)
+    torch.testing.assert_close(layer(x)[0], dense(x), atol=1e-6, rtol=1e-5)
+
+
+def test_shared_expert_is_added():
+    config = tiny_gpt_config(shared_expert_intermediate_size=16)
+    layer = MoELayer(config)
+    x = torch.randn(2, 3, 32)
+    y, _ = layer(x)
+    no_shared = copy.deepcopy(layer)
+    no_shared.shared_expert = None
+    torch.testing.assert_close(y, no_shared(x)[0] + layer.shared_expert(x))
+
+
+def test_dropped_token_output_is_zero_and_gradient_free():
+    config = tiny_gpt_config(**GPT2_STYLE, num_experts=2, num_experts_per_tok=1, router_type="switch", capacity_factor=0.5)
+    layer = MoELayer(config).train()
+    x = torch.randn(1, 8, 32, requires_grad=True)
+    y, routing = layer(x)
+    dropped = (routing.expert_ids == 2).squeeze(1)
+    assert dropped.any()
+    assert (y[0, dropped] == 0).all()
+    y.sum().backward()
+    # a dropped token still receives router gradients only through the aux loss, not through the experts
+    assert x.grad is not None
