@@ -7,54 +7,10 @@ sliding window) exactly.
 
 from __future__ import annotations
 
-from transformers import PreTrainedConfig
-from transformers.activations import ACT2FN
-
-from ..moe.gates import get_gate_class
-
-DISPATCH_IMPLEMENTATIONS = ("index", "einsum")
+from .configuration_moe import MoEConfig, check
 
 
-def _check(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
-def check_moe_fields(config) -> None:
-    """Validation shared by both model families (raises ValueError naming the field and the fix)."""
-    _check(config.num_experts >= 1, f"num_experts must be >= 1, got {config.num_experts}.")
-    _check(
-        1 <= config.num_experts_per_tok <= config.num_experts,
-        f"num_experts_per_tok={config.num_experts_per_tok} must be between 1 and num_experts={config.num_experts}: "
-        "a token cannot be routed to more experts than exist.",
-    )
-    for name in ("capacity_factor", "eval_capacity_factor"):
-        value = getattr(config, name)
-        _check(
-            value is None or value > 0,
-            f"{name}={value} must be > 0, or None for dropless routing (no token is ever dropped).",
-        )
-    _check(config.router_num_groups >= 1, f"router_num_groups must be >= 1, got {config.router_num_groups}.")
-    _check(
-        0.0 <= config.router_jitter_noise < 1.0,
-        f"router_jitter_noise={config.router_jitter_noise} must be in [0, 1) (multiplicative noise 1 +- eps).",
-    )
-    get_gate_class(config.router_type).check_config(config)
-    known = DISPATCH_IMPLEMENTATIONS + ("grouped_mm", "batched_mm")
-    _check(config.dispatch in known, f"Unknown dispatch {config.dispatch!r}; use one of {', '.join(known)}.")
-    _check(
-        config.hidden_act in ACT2FN,
-        f"Unknown hidden_act {config.hidden_act!r}; use one of Transformers' activations, e.g. 'gelu_new', 'silu', 'relu'.",
-    )
-    _check(
-        config.moe_layer_frequency >= 1,
-        f"moe_layer_frequency must be >= 1 (1: every FFN is MoE, 2: every other one), got {config.moe_layer_frequency}.",
-    )
-    for name in ("router_aux_loss_coef", "router_z_loss_coef"):
-        _check(getattr(config, name) >= 0, f"{name} must be >= 0, got {getattr(config, name)}.")
-
-
-class GPTMoEConfig(PreTrainedConfig):
+class GPTMoEConfig(MoEConfig):
     r"""
     Args (beyond Transformers' usual names: vocab_size, hidden_size, intermediate_size, num_hidden_layers,
     num_attention_heads, num_key_value_heads, head_dim, hidden_act, max_position_embeddings, rope_parameters,
@@ -65,19 +21,7 @@ class GPTMoEConfig(PreTrainedConfig):
         gated_mlp: SwiGLU-style gate/up/down MLP (Llama) instead of up/down (GPT-2).
         attention_output_bias: bias on the output projection (defaults to attention_bias; Qwen2 has q/k/v bias only).
         hidden_dropout: dropout on the embeddings and on each residual branch (GPT-2's embd/resid pdrop).
-        router_type: a registered gate: "topk", "switch", "gshard", "prototype", or your own.
-        capacity_factor / eval_capacity_factor: GShard capacity C = factor * k * S / E per group in training /
-            evaluation; None = dropless. Evaluation defaults to dropless so decoding never drops tokens.
-        router_num_groups: GShard's local dispatch groups (capacity and aux loss are per group).
-        router_jitter_noise: multiplicative router-input noise in training (Switch).
-        router_random_routing: GShard's random routing of the 2nd expert with probability 2 * g2 (training only).
-        norm_topk_prob: renormalise top-k weights to sum to one ("topk" gate).
-        moe_layer_frequency: every n-th FFN is MoE (layers n-1, 2n-1, ...); `moe_layers` lists them explicitly.
-        moe_intermediate_size: expert inner size (defaults to intermediate_size).
-        shared_expert_intermediate_size: > 0 adds a dense shared expert to every MoE layer.
-        dispatch: "index" (PPMoE index_select, default), "einsum" (GShard one-hot einsums), or a Transformers
-            experts kernel ("grouped_mm", "batched_mm").
-        router_z_loss_coef: weight of the router z-loss added to the loss.
+        MoE fields: see `MoEConfig`.
     """
 
     model_type = "gpt_moe"
@@ -91,7 +35,6 @@ class GPTMoEConfig(PreTrainedConfig):
     num_attention_heads: int = 12
     num_key_value_heads: int | None = None
     head_dim: int | None = None
-    hidden_act: str = "silu"
     max_position_embeddings: int = 2048
     position_embedding_type: str = "rotary"
     rope_parameters: dict | None = None
@@ -104,30 +47,11 @@ class GPTMoEConfig(PreTrainedConfig):
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0
     sliding_window: int | None = None
-    initializer_range: float = 0.02
     use_cache: bool = True
     tie_word_embeddings: bool = False
     pad_token_id: int | None = None
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-
-    num_experts: int = 8
-    num_experts_per_tok: int = 2
-    router_type: str = "topk"
-    capacity_factor: float | None = None
-    eval_capacity_factor: float | None = None
-    router_num_groups: int = 1
-    router_jitter_noise: float = 0.0
-    router_random_routing: bool = True
-    norm_topk_prob: bool = True
-    moe_layer_frequency: int = 2
-    moe_layers: list[int] | None = None
-    moe_intermediate_size: int | None = None
-    shared_expert_intermediate_size: int = 0
-    dispatch: str = "index"
-    router_aux_loss_coef: float = 0.01
-    router_z_loss_coef: float = 0.001
-    output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
         if self.num_key_value_heads is None:
@@ -138,36 +62,31 @@ class GPTMoEConfig(PreTrainedConfig):
         self.validate()
 
     def validate(self) -> None:
-        _check(
+        check(
             self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
             f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
             "change one of them or set head_dim explicitly.",
         )
-        _check(
+        check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"num_attention_heads={self.num_attention_heads} is not divisible by num_key_value_heads="
             f"{self.num_key_value_heads}; grouped-query attention needs whole groups of query heads per key/value head.",
         )
-        _check(
+        check(
             self.position_embedding_type in ("rotary", "learned"),
             f"Unknown position_embedding_type {self.position_embedding_type!r}; use 'rotary' or 'learned'.",
         )
-        _check(self.norm_type in ("rmsnorm", "layernorm"), f"Unknown norm_type {self.norm_type!r}; use 'rmsnorm' or 'layernorm'.")
+        check(self.norm_type in ("rmsnorm", "layernorm"), f"Unknown norm_type {self.norm_type!r}; use 'rmsnorm' or 'layernorm'.")
         for name in ("attention_dropout", "hidden_dropout"):
-            _check(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got {getattr(self, name)}.")
-        _check(
+            check(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got {getattr(self, name)}.")
+        check(
             self.sliding_window is None or self.sliding_window > 0,
             f"sliding_window must be a positive number of tokens or None, got {self.sliding_window}.",
         )
-        check_moe_fields(self)
+        self.validate_moe()
         if self.moe_layers is not None:
             bad = [i for i in self.moe_layers if not 0 <= i < self.num_hidden_layers]
-            _check(not bad, f"moe_layers {bad} are outside 0..{self.num_hidden_layers - 1} (num_hidden_layers).")
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        if self.moe_layers is not None:
-            return layer_idx in self.moe_layers
-        return (layer_idx + 1) % self.moe_layer_frequency == 0
+            check(not bad, f"moe_layers {bad} are outside 0..{self.num_hidden_layers - 1} (num_hidden_layers).")
 
 
 __all__ = ["GPTMoEConfig"]

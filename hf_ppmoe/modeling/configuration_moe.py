@@ -1,0 +1,94 @@
+"""`MoEConfig`: the MoE fields and their validation, shared by both model families' configs."""
+
+from __future__ import annotations
+
+from transformers import PreTrainedConfig
+from transformers.activations import ACT2FN
+
+from ..moe.gates import get_gate_class
+
+DISPATCH_IMPLEMENTATIONS = ("index", "einsum", "grouped_mm", "batched_mm")
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+class MoEConfig(PreTrainedConfig):
+    r"""
+    MoE fields (Transformers' names where one exists: num_experts, num_experts_per_tok, router_aux_loss_coef,
+    output_router_logits):
+        router_type: a registered gate: "topk", "switch", "gshard", "prototype", or your own.
+        capacity_factor / eval_capacity_factor: GShard capacity C = factor * k * S / E per group in training /
+            evaluation; None = dropless. Evaluation defaults to dropless so decoding never drops tokens.
+        router_num_groups: GShard's local dispatch groups (capacity and aux loss are per group).
+        router_jitter_noise: multiplicative router-input noise in training (Switch).
+        router_random_routing: GShard's random routing of the 2nd expert with probability 2 * g2 (training only).
+        norm_topk_prob: renormalise top-k weights to sum to one ("topk" gate).
+        moe_layer_frequency: every n-th FFN is MoE (layers n-1, 2n-1, ...); `moe_layers` lists them explicitly.
+        moe_intermediate_size: expert inner size (defaults to intermediate_size).
+        shared_expert_intermediate_size: > 0 adds a dense shared expert to every MoE layer.
+        dispatch: "index" (PPMoE index_select, default), "einsum" (GShard one-hot einsums), or a Transformers
+            experts kernel ("grouped_mm", "batched_mm").
+        router_z_loss_coef: weight of the router z-loss added to the loss.
+    """
+
+    hidden_act: str = "silu"
+    initializer_range: float = 0.02
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    router_type: str = "topk"
+    capacity_factor: float | None = None
+    eval_capacity_factor: float | None = None
+    router_num_groups: int = 1
+    router_jitter_noise: float = 0.0
+    router_random_routing: bool = True
+    norm_topk_prob: bool = True
+    moe_layer_frequency: int = 2
+    moe_layers: list[int] | None = None
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0
+    dispatch: str = "index"
+    router_aux_loss_coef: float = 0.01
+    router_z_loss_coef: float = 0.001
+    output_router_logits: bool = False
+
+    def validate_moe(self) -> None:
+        """Raise ValueError, naming the field and the fix, for MoE settings that cannot work."""
+        check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}.")
+        check(
+            1 <= self.num_experts_per_tok <= self.num_experts,
+            f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}: "
+            "a token cannot be routed to more experts than exist.",
+        )
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"{name}={value} must be > 0, or None for dropless routing (no token is ever dropped).")
+        check(self.router_num_groups >= 1, f"router_num_groups must be >= 1, got {self.router_num_groups}.")
+        check(
+            0.0 <= self.router_jitter_noise < 1.0,
+            f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1) (multiplicative noise 1 +- eps).",
+        )
+        get_gate_class(self.router_type).check_config(self)
+        check(
+            self.dispatch in DISPATCH_IMPLEMENTATIONS,
+            f"Unknown dispatch {self.dispatch!r}; use one of {', '.join(DISPATCH_IMPLEMENTATIONS)}.",
+        )
+        check(
+            self.hidden_act in ACT2FN,
+            f"Unknown hidden_act {self.hidden_act!r}; use one of Transformers' activations, e.g. 'gelu_new', 'silu', 'relu'.",
+        )
+        check(
+            self.moe_layer_frequency >= 1,
+            f"moe_layer_frequency must be >= 1 (1: every FFN is MoE, 2: every other one), got {self.moe_layer_frequency}.",
+        )
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}.")
+
+    def is_moe_layer(self, layer_idx: int, moe_layers: list[int] | None = None) -> bool:
+        """Whether FFN `layer_idx` is an MoE layer: listed in `moe_layers`, else every `moe_layer_frequency`-th."""
+        moe_layers = self.moe_layers if moe_layers is None else moe_layers
+        if moe_layers is not None:
+            return layer_idx in moe_layers
+        return (layer_idx + 1) % self.moe_layer_frequency == 0
