@@ -126,6 +126,8 @@ def resolve_folder(path: str | os.PathLike) -> Path:
         return folder
     if folder.exists():
         raise ConversionError(f"{folder} is a file; point to the model's folder.")
+    if folder.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") > 1:
+        raise ConversionError(f"no such folder: {folder}")
     try:
         from huggingface_hub import snapshot_download
 

@@ -83,6 +83,7 @@ def _no_router():
 
 def _combine_sums(config: GPTMoEConfig, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     gate = get_gate_class(config.router_type)(config).eval()
+    gate.capacity_factor = gate.eval_capacity_factor = None  # the sums of dropless routing
     with torch.no_grad():
         gate.weight.copy_(weight)
         return gate(tokens).weights.sum(-1).double()
