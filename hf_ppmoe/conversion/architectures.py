@@ -115,7 +115,7 @@ def _rotary_fields(c, *, attention_bias: bool, attention_output_bias: bool, mlp_
         num_key_value_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None),
         max_position_embeddings=c.max_position_embeddings,
-        rope_parameters=dict(c.rope_parameters),
+        rope_parameters=dict(c.rope_parameters) if c.rope_parameters else None,
         position_embedding_type="rotary",
         norm_type="rmsnorm",
         layer_norm_eps=c.rms_norm_eps,

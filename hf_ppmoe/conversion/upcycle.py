@@ -190,7 +190,10 @@ def _routers(router_init, config, layers, dtype, seed, checkpoint: Checkpoint, a
             raise ConversionError("router_init='hidden' needs a tokenizer for the sample texts; pass tokenizer=...")
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder)
+        except (OSError, ValueError) as err:
+            raise ConversionError(f"router_init='hidden' needs a tokenizer and {checkpoint.folder} has none ({err}); pass tokenizer=...") from err
     model = checkpoint.model
     if model is None:
         import transformers
