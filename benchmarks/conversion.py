@@ -2,17 +2,19 @@
 
     python benchmarks/conversion.py [--experts 8] [--workdir /tmp/hf-ppmoe-conversion-bench]
 
-Builds and saves the dense model once, then runs each conversion in a fresh process and reports its wall time and
-peak resident memory (the child's ru_maxrss), next to the size of the weights it writes. `hf-ppmoe upcycle` streams:
-it reads source tensors lazily with safe_open and computes and writes one output tensor at a time, so the memory it
-allocates stays far below one copy of the output. The last row, the Python API without an output folder, returns the
-model in memory, so it necessarily holds one full copy: it is the reference the streaming rows are measured against.
+Builds and saves the dense model once, then runs each conversion in a fresh process (`hf_ppmoe.cli.main`, as the
+`hf-ppmoe` command does) and reports, for that process: the conversion's wall time (imports excluded), its CPU time
+(user + system, imports included), its peak RSS, and its peak anonymous memory, next to the size of the weights it
+writes. `hf-ppmoe upcycle` streams: it reads source tensors lazily with safe_open (memory-mapped) and computes and
+writes one output tensor at a time, so what it allocates stays far below one copy of the output. Peak RSS also counts
+the pages of the memory-mapped source that were read (the kernel's page cache, not copies held by the conversion),
+which is why it grows with the source's size. The last row, the Python API without an output folder, returns the
+model in memory: it holds one full copy, the reference for the streaming rows.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -20,10 +22,13 @@ import sys
 import time
 from pathlib import Path
 
-IN_MEMORY = (
-    "import sys, torch, hf_ppmoe; from hf_ppmoe.conversion import upcycle; "
-    "m = upcycle(sys.argv[1], num_experts=int(sys.argv[2]), moe_layer_frequency=1); "
-    "print(sum(float(p.double().sum()) for p in m.parameters()))"  # touch every weight: all of them in memory
+IMPORTS = "import sys, time, hf_ppmoe.cli, hf_ppmoe.conversion; t = time.perf_counter(); "
+CLI = IMPORTS + "rc = hf_ppmoe.cli.main(sys.argv[1:]); print('SECONDS', time.perf_counter() - t); sys.exit(rc)"
+BASELINE = IMPORTS + "print('SECONDS', 0.0)"
+IN_MEMORY = IMPORTS + (
+    "m = hf_ppmoe.conversion.upcycle(sys.argv[1], num_experts=int(sys.argv[2]), moe_layer_frequency=1); "
+    "total = sum(float(p.double().sum()) for p in m.parameters()); "  # touch every weight: all of them in memory
+    "print('SECONDS', time.perf_counter() - t)"
 )
 
 
@@ -35,28 +40,27 @@ def _status_kib(pid: int, field: str) -> int:
     return 0
 
 
-def measure(command: list[str]) -> tuple[float, float, float]:
-    """Run `command` in a fresh process; return (seconds, peak RSS GiB, peak anonymous memory GiB) of that process.
-
-    Peak RSS (VmHWM) also counts the pages of files the process has mapped: safe_open maps the source checkpoint,
-    so reading all of it adds its size, though those pages are the kernel's page cache, not copies the conversion
-    holds. Anonymous memory (RssAnon, sampled every 10 ms) is what the process itself allocated."""
+def measure(script: str, *args: str) -> tuple[float, float, float, float]:
+    """Run `python -c script args` in a fresh process; return (conversion seconds, CPU seconds, peak RSS GiB,
+    peak anonymous memory GiB). RssAnon is sampled every 10 ms; the rest comes from the kernel's accounting."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    start = time.perf_counter()
-    child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    peak_anon = peak_rss = 0
-    while child.poll() is None:
+    child = subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    peak_anon = 0
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            break
         try:
             peak_anon = max(peak_anon, _status_kib(child.pid, "RssAnon"))
-            peak_rss = max(peak_rss, _status_kib(child.pid, "VmHWM"))
         except (FileNotFoundError, ProcessLookupError):
-            break
+            pass
         time.sleep(0.01)
-    stderr = child.communicate()[1]
-    seconds = time.perf_counter() - start
+    child.returncode = os.waitstatus_to_exitcode(status)
+    stdout, stderr = (s.decode() for s in child.communicate())
     if child.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{stderr}")
-    return seconds, peak_rss / 2**20, peak_anon / 2**20
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{stderr}")
+    seconds = float(next(line.split()[1] for line in stdout.splitlines() if line.startswith("SECONDS")))
+    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2**20, peak_anon / 2**20
 
 
 def weights_gib(folder: Path) -> float:
@@ -82,28 +86,25 @@ def main() -> None:
     del dense
     print(f"source: GPT-2 small, {params / 1e6:.0f}M parameters, {weights_gib(work / 'gpt2'):.2f} GiB of safetensors")
 
-    cli = [sys.executable, "-m", "hf_ppmoe.cli"]
-    E = str(args.experts)
+    src, E = str(work / "gpt2"), str(args.experts)
+    rows = [("baseline: `import hf_ppmoe.cli, hf_ppmoe.conversion` only", *measure(BASELINE), 0.0)]
     runs = [
         ("`hf-ppmoe upcycle`, every FFN MoE", "moe_all", ["--moe_layer_frequency", "1"]),
-        ("`hf-ppmoe upcycle`, every FFN MoE, 500MB shards", "moe_all_500mb", ["--moe_layer_frequency", "1", "--max_shard_size", "500MB"]),
+        ("`hf-ppmoe upcycle`, every FFN MoE, 500MB shards", "moe_500mb", ["--moe_layer_frequency", "1", "--max_shard_size", "500MB"]),
         ("`hf-ppmoe upcycle`, every other FFN MoE (default)", "moe_half", []),
     ]
-    rows = [("baseline: `import hf_ppmoe` (Python, torch, Transformers)", *measure([sys.executable, "-c", "import hf_ppmoe"]), 0.0)]
     for label, name, extra in runs:
-        result = measure([*cli, "upcycle", str(work / "gpt2"), str(work / name), "--num_experts", E, *extra])
-        rows.append((label, *result, weights_gib(work / name)))
-    result = measure([*cli, "merge", str(work / "moe_all"), str(work / "merged")])
-    rows.append(("`hf-ppmoe merge` of the first output back to GPT-2", *result, weights_gib(work / "merged")))
-    result = measure([sys.executable, "-c", IN_MEMORY, str(work / "gpt2"), E])
-    rows.append(("reference: `upcycle(src)` returning the model in memory", *result, weights_gib(work / "moe_all")))
+        rows.append((label, *measure(CLI, "upcycle", src, str(work / name), "--num_experts", E, *extra), weights_gib(work / name)))
+    merged = measure(CLI, "merge", str(work / "moe_all"), str(work / "merged"))
+    rows.append(("`hf-ppmoe merge` of the every-FFN output back to GPT-2", *merged, weights_gib(work / "merged")))
+    rows.append(("reference: `upcycle(src)` returning the model in memory", *measure(IN_MEMORY, src, E), weights_gib(work / "moe_all")))
 
-    info = json.loads((work / "moe_all" / "config.json").read_text())
-    print(f"output: {info['num_experts']} experts, {len(list((work / 'moe_all').glob('*.safetensors')))} shard(s)\n")
-    print("| conversion | wall time (s) | peak RSS (GiB) | peak anonymous memory (GiB) | output weights (GiB) |")
-    print("|---|---|---|---|---|")
-    for label, seconds, rss, anon, out in rows:
-        print(f"| {label} | {seconds:.1f} | {rss:.2f} | {anon:.2f} | {out:.2f} |")
+    print(f"{args.experts} experts; every-FFN output in {len(list((work / 'moe_all').glob('*.safetensors')))} shard(s), "
+          f"500MB run in {len(list((work / 'moe_500mb').glob('*.safetensors')))}\n")
+    print("| conversion | wall time (s) | CPU time (s) | peak RSS (GiB) | peak anonymous memory (GiB) | output weights (GiB) |")
+    print("|---|---|---|---|---|---|")
+    for label, seconds, cpu, rss, anon, out in rows:
+        print(f"| {label} | {seconds:.1f} | {cpu:.1f} | {rss:.2f} | {anon:.2f} | {out:.2f} |")
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -219,7 +219,7 @@ def write_safetensors(
                 tensor = get(name)
                 if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
                     raise ConversionError(f"{name}: computed {shape_str(tensor)} {tensor.dtype}, planned {list(shape)} {dtype}")
-                f.write(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy().data)
+                f.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
                 del tensor
                 if bar is not None:
                     bar.update()

@@ -155,7 +155,7 @@ class Replicate(Op):
         if self.noise_std > 0 and not x.is_meta:
             generator = torch.Generator().manual_seed(self.seed)
             noise = torch.randn(out.shape, generator=generator, dtype=torch.float32) * self.noise_std
-            out = (out.float() + noise).to(x.dtype)
+            out = (out.float() + noise.to(x.device)).to(x.dtype)
         return [out]
 
     def inverse(self):
@@ -175,8 +175,10 @@ class Merge(Op):
         nonzero = [e for e, w in enumerate(self.weights) if w != 0]
         if len(nonzero) == 1 and self.weights[nonzero[0]] == 1.0:
             return [x[nonzero[0]]]
-        w = torch.tensor(self.weights, dtype=torch.float64, device=x.device)
-        return [_in_float64(x, lambda v: torch.einsum("e,e...->...", w, v))]
+        total = torch.zeros(x.shape[1:], dtype=torch.float64, device=x.device)
+        for e in nonzero:  # one expert at a time in float64: memory of two experts, not of all E
+            total += self.weights[e] * x[e].to(torch.float64)
+        return [total.to(x.dtype)]
 
     def inverse(self):
         return Replicate(len(self.weights), merge_weights=self.weights)
