@@ -57,10 +57,11 @@ class Identity(Op):
 
 @dataclass(frozen=True)
 class Transpose(Op):
-    """Conv1D [in, out] <-> nn.Linear [out, in] (GPT-2)."""
+    """Swap the last two dims: Conv1D [in, out] <-> nn.Linear [out, in] (GPT-2), and nn.Linear [out, in] <-> the
+    input-first expert layout [E, in, out]."""
 
     def __call__(self, xs):
-        return [x.t() for x in xs]
+        return [x.transpose(-2, -1) for x in xs]
 
     def inverse(self):
         return self

@@ -26,7 +26,7 @@ from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
 from .io import Checkpoint, open_checkpoint, read_config_dict
-from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, rename
+from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, Transpose, rename
 from .pipeline import deliver
 
 ROUTER_INITS = ("zeros", "random", "hidden")
@@ -61,9 +61,9 @@ def experts_mapping(
             return Replicate(E, noise, seed=seed * 1_000_003 + 4 * i + k, merge_weights=w)
 
         make_router = routers[i] if routers else _no_router
-        rules += [
-            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, copies(0))),
-            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Scale(scale), copies(1))),
+        rules += [  # nn.Linear [out, in] -> experts' input-first [E, in, out]
+            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, Transpose(), copies(0))),
+            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Transpose(), Scale(scale), copies(1))),
             Rule((), (f"{d}gate.weight",), Create(make_router)),
         ]
         if config.mlp_bias:  # biases are copied without noise
