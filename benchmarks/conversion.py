@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,25 +43,29 @@ def _status_kib(pid: int, field: str) -> int:
 
 def measure(script: str, *args: str) -> tuple[float, float, float, float]:
     """Run `python -c script args` in a fresh process; return (conversion seconds, CPU seconds, peak RSS GiB,
-    peak anonymous memory GiB). RssAnon is sampled every 10 ms; the rest comes from the kernel's accounting."""
+    peak anonymous memory GiB). VmHWM and RssAnon are sampled from /proc every 10 ms (ru_maxrss would also count the
+    memory of this process, which the child carries until its exec)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TQDM_DISABLE="1")
-    child = subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    peak_anon = 0
+    log = tempfile.TemporaryFile()  # files, not pipes: nothing blocks the child while it is polled
+    child = subprocess.Popen([sys.executable, "-c", script, *args], env=env, stdout=log, stderr=subprocess.STDOUT)
+    peak_anon = peak_rss = 0
     while True:
         pid, status, usage = os.wait4(child.pid, os.WNOHANG)
         if pid:
             break
         try:
             peak_anon = max(peak_anon, _status_kib(child.pid, "RssAnon"))
+            peak_rss = max(peak_rss, _status_kib(child.pid, "VmHWM"))
         except (FileNotFoundError, ProcessLookupError):
             pass
         time.sleep(0.01)
     child.returncode = os.waitstatus_to_exitcode(status)
-    stdout, stderr = (s.decode() for s in child.communicate())
+    log.seek(0)
+    output = log.read().decode(errors="replace")
     if child.returncode != 0:
-        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{stderr}")
-    seconds = float(next(line.split()[1] for line in stdout.splitlines() if line.startswith("SECONDS")))
-    return seconds, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 2**20, peak_anon / 2**20
+        raise RuntimeError(f"{script} {' '.join(args)} failed:\n{output}")
+    seconds = float(next(line.split()[1] for line in output.splitlines() if line.startswith("SECONDS")))
+    return seconds, usage.ru_utime + usage.ru_stime, peak_rss / 2**20, peak_anon / 2**20
 
 
 def weights_gib(folder: Path) -> float:
