@@ -164,12 +164,11 @@ def test_gpt2_checkpoint_without_base_prefix(dense, tmp_path):
     assert_same_outputs(model, upcycle(tmp_path / "hub", num_experts=4))
 
 
-def test_expert_output_scale_rejects_gates_without_a_constant_sum():
+def test_expert_output_scale_rejects_gates_without_a_constant_sum(monkeypatch):
     from helpers import tiny_gpt_config
 
-    from hf_ppmoe.moe import Gate, register_gate
+    from hf_ppmoe.moe import GATES, Gate
 
-    @register_gate("test-first-token-only")
     class FirstTokenOnly(Gate):  # weight 1 for the first token, 0 for the others
         def select(self, logits):
             T = logits.shape[0]
@@ -178,5 +177,6 @@ def test_expert_output_scale_rejects_gates_without_a_constant_sum():
             probs = logits.softmax(-1)
             return ids, weights, probs, probs
 
+    monkeypatch.setitem(GATES, "test-first-token-only", FirstTokenOnly)  # registered for this test only
     with pytest.raises(ValueError, match="one positive constant per token"):
         expert_output_scale(tiny_gpt_config(router_type="test-first-token-only"))
