@@ -7,7 +7,7 @@ Two declarative, reversible tables drive both directions (the round trip is bit-
 - `rules(config, Vp)`: our weight names <-> megatron-core names of the whole, unsharded model, each with an exact op:
       model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
           InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
-      model.layers.{i}.mlp.{gate,up}_proj.weight      -> decoder.layers.{i}.mlp.linear_fc1.weight   StackRows: [gate; up]
+      model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  StackRows: [gate; up]
       model.layers.{i}.mlp.experts.gate_up_proj [E, H, 2I] (input-first, [gate | up])
           -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   SplitExperts: W[e].T
       model.embed_tokens.weight [V, H] -> embedding.word_embeddings.weight [Vp, H]        PadRows: zero rows
@@ -225,7 +225,9 @@ def _merge(name: str, parts: list[torch.Tensor], kind: str) -> torch.Tensor:
     if kind == "replicated":
         for rank, p in enumerate(parts[1:], 1):
             if not torch.equal(p, parts[0]):
-                raise ConversionError(f"{name} is replicated over tensor-parallel ranks but rank {rank} differs from rank 0")
+                raise ConversionError(
+                    f"{name} is replicated over tensor-parallel ranks but rank {rank} differs from rank 0"
+                )
         return parts[0]
     if kind == "glu":
         halves = [p.chunk(2, dim=0) for p in parts]
@@ -251,13 +253,19 @@ def _check_hf(state_dict: dict, config) -> None:
         state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
-    wrong = [f"{k}: {_shape(state_dict[k])}, config expects {list(expected[k])}" for k in expected
-             if k in state_dict and state_dict[k].shape != expected[k]]
+    wrong = [
+        f"{k}: {_shape(state_dict[k])}, config expects {list(expected[k])}"
+        for k in expected
+        if k in state_dict and state_dict[k].shape != expected[k]
+    ]
     if missing or unexpected or wrong:
         raise ConversionError(
             "GPT-MoE weights do not match the config: "
-            + "; ".join(f"{what}: {items}" for what, items in
-                        [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)] if items)
+            + "; ".join(
+                f"{what}: {items}"
+                for what, items in [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
+                if items
+            )
         )
 
 
@@ -267,7 +275,7 @@ def hf_to_mcore(state_dict: dict, config, padded_vocab: int) -> dict[str, torch.
     out = {}
     for rule in rules(config, padded_vocab):
         ys = rule.op.forward([state_dict[name] for name in rule.hf])
-        out.update(zip(rule.mcore_names(len(ys)), ys))
+        out.update(zip(rule.mcore_names(config.num_experts), ys, strict=True))
     return out
 
 
@@ -279,11 +287,13 @@ def mcore_to_hf(full: dict, config) -> dict[str, torch.Tensor]:
     have = {k for k in full if not k.endswith("._extra_state")}
     if wanted != have:
         raise ConversionError(
-            f"Megatron tensors do not match the config: missing {sorted(wanted - have)}, unexpected {sorted(have - wanted)}"
+            "Megatron tensors do not match the config: "
+            f"missing {sorted(wanted - have)}, unexpected {sorted(have - wanted)}"
         )
     out = {}
     for rule in table:
-        out.update(zip(rule.hf, rule.op.backward([full[n] for n in rule.mcore_names(config.num_experts)])))
+        ys = [full[n] for n in rule.mcore_names(config.num_experts)]
+        out.update(zip(rule.hf, rule.op.backward(ys), strict=True))
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     _check_hf(out, config)
@@ -305,9 +315,13 @@ def _layout(config, tp: int, pp: int) -> tuple[int, int]:
             problems.append(f"{name}={getattr(config, name)} is not divisible by TP={tp}")
     has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
     if has_moe and config.num_experts % tp:
-        problems.append(f"num_experts={config.num_experts} is not divisible by TP={tp} (the experts live on the TP group)")
+        problems.append(
+            f"num_experts={config.num_experts} is not divisible by TP={tp} (the experts live on the TP group)"
+        )
     if has_moe and config.shared_expert_intermediate_size % tp:
-        problems.append(f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} is not divisible by TP={tp}")
+        problems.append(
+            f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} is not divisible by TP={tp}"
+        )
     if problems:
         raise ConversionError("; ".join(problems))
     return config.num_hidden_layers // pp, config.num_experts // tp
@@ -333,7 +347,7 @@ def shard(full: dict, config, *, tp: int = 1, pp: int = 1) -> dict[tuple[int, in
             continue
         for t in range(tp):
             shards[(t, stage)][local] = _split(tensor, kind, tp, t)
-    for (t, p), sd in shards.items():  # Megatron's linear layers carry an (empty) extra state; strict loading wants it
+    for (_, p), sd in shards.items():  # Megatron's linear layers carry an (empty) extra state; strict loading wants it
         sd.update({f"{m.group(1)}._extra_state": None for k in list(sd) if (m := LINEAR.match(k))})
         if p == pp - 1:
             sd["output_layer._extra_state"] = None
@@ -352,7 +366,9 @@ def unshard(shards: dict[tuple[int, int], dict], config, *, tp: int, pp: int) ->
         for t, sd in enumerate(ranks[1:], 1):
             if set(sd) != set(ranks[0]):
                 diff = sorted(set(sd) ^ set(ranks[0]))
-                raise ConversionError(f"pipeline stage {p}: tensor-parallel ranks 0 and {t} hold different tensors: {diff}")
+                raise ConversionError(
+                    f"pipeline stage {p}: tensor-parallel ranks 0 and {t} hold different tensors: {diff}"
+                )
         for local in ranks[0]:
             name = local
             if m := LAYER.match(local):
@@ -429,7 +445,11 @@ def _replace_dir(staging: Path, target: Path, overwrite: bool) -> None:
 def save_megatron_checkpoint(shards: dict, directory, args: dict, *, overwrite: bool = False) -> Path:
     """Write {(tp_rank, pp_rank): state dict} as a Megatron-LM "release" checkpoint, atomically."""
     target = Path(directory)
-    tp, pp, ep = args["tensor_model_parallel_size"], args["pipeline_model_parallel_size"], args["expert_model_parallel_size"]
+    tp, pp, ep = (
+        args["tensor_model_parallel_size"],
+        args["pipeline_model_parallel_size"],
+        args["expert_model_parallel_size"],
+    )
     if ep not in (1, tp):
         raise ConversionError(f"expert_model_parallel_size={ep}: only 1 or the TP size ({tp}, PPMoE) are written")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -438,8 +458,13 @@ def save_megatron_checkpoint(shards: dict, directory, args: dict, *, overwrite: 
         for (t, p), sd in sorted(shards.items()):
             folder = staging / "release" / rank_dir(t, p, pp=pp, ep=ep)
             folder.mkdir(parents=True)
-            record = {"args": argparse.Namespace(**args), "checkpoint_version": 3.0, "iteration": 0, "model": sd,
-                      "num_floating_point_operations_so_far": 0}
+            record = {
+                "args": argparse.Namespace(**args),
+                "checkpoint_version": 3.0,
+                "iteration": 0,
+                "model": sd,
+                "num_floating_point_operations_so_far": 0,
+            }
             torch.save(record, folder / "model_optim_rng.pt")
         (staging / TRACKER).write_text("release")
         _replace_dir(staging, target, overwrite)
@@ -490,7 +515,9 @@ def load_megatron_checkpoint(directory, *, weights_only: bool = True) -> tuple[d
             record = first if path.parent.name == found[0] else _load(path, weights_only)
             if "model" not in record:
                 keys = ", ".join(k for k in record if k.startswith("model"))
-                raise ConversionError(f"{path}: no 'model' entry ({keys or 'none'}); virtual pipeline stages are not read")
+                raise ConversionError(
+                    f"{path}: no 'model' entry ({keys or 'none'}); virtual pipeline stages are not read"
+                )
             shards[(t, p)] = record["model"]
     return shards, args
 
@@ -499,23 +526,42 @@ def _check_args(args, config, tp: int, pp: int) -> None:
     from ..parallel.megatron import megatron_lm_args
 
     expected = megatron_lm_args(config, tp=tp, pp=pp)
-    keys = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-            "num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_layer_freq", "add_bias_linear",
-            "add_qkv_bias", "normalization", "untie_embeddings_and_output_weights", "position_embedding_type")
-    wrong = [f"{k}={getattr(args, k)!r} (config: {expected[k]!r})" for k in keys
-             if k in expected and hasattr(args, k) and getattr(args, k) != expected[k]]
+    keys = (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "moe_layer_freq",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "normalization",
+        "untie_embeddings_and_output_weights",
+        "position_embedding_type",
+    )
+    wrong = [
+        f"{k}={getattr(args, k)!r} (config: {expected[k]!r})"
+        for k in keys
+        if k in expected and hasattr(args, k) and getattr(args, k) != expected[k]
+    ]
     if wrong:
         raise ConversionError("the Megatron checkpoint was saved for another model: " + ", ".join(wrong))
 
 
-def convert_hf_to_megatron(hf_path, out, *, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128,
-                           overwrite: bool = False) -> Path:
+def convert_hf_to_megatron(
+    hf_path, out, *, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128, overwrite: bool = False
+) -> Path:
     """A saved GPTMoEForCausalLM folder -> a Megatron-LM release checkpoint for TP x PP (experts on the TP group)."""
     from ..modeling import GPTMoEForCausalLM
 
     model = GPTMoEForCausalLM.from_pretrained(hf_path)
-    shards = to_megatron(model.state_dict(), model.config, tp=tp, pp=pp,
-                         make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    shards = to_megatron(
+        model.state_dict(), model.config, tp=tp, pp=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+    )
     args = checkpoint_args(model.config, tp=tp, pp=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     return save_megatron_checkpoint(shards, out, args, overwrite=overwrite)
 
@@ -538,7 +584,9 @@ def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = T
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m hf_ppmoe.conversion.megatron", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_ppmoe.conversion.megatron", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("to-megatron", help="GPT-MoE folder -> Megatron-LM release checkpoint (legacy torch format)")
     a.add_argument("hf_path")
@@ -554,8 +602,14 @@ def main(argv=None) -> None:
     b.add_argument("--trust-checkpoint", action="store_true", help="allow pickled Python objects (Megatron-LM args)")
     ns = parser.parse_args(argv)
     if ns.command == "to-megatron":
-        convert_hf_to_megatron(ns.hf_path, ns.out, tp=ns.tp, pp=ns.pp, overwrite=ns.overwrite,
-                               make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by)
+        convert_hf_to_megatron(
+            ns.hf_path,
+            ns.out,
+            tp=ns.tp,
+            pp=ns.pp,
+            overwrite=ns.overwrite,
+            make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
+        )
     else:
         convert_megatron_to_hf(ns.megatron_path, ns.out, ns.config, weights_only=not ns.trust_checkpoint)
     print(f"wrote {ns.out}")

@@ -61,7 +61,11 @@ ACTIVATIONS = {
 }
 
 # (attention_bias, attention_output_bias, mlp_bias) -> (add_bias_linear, add_qkv_bias): Megatron's only two switches
-BIAS_LAYOUTS = {(False, False, False): (False, False), (True, False, False): (False, True), (True, True, True): (True, False)}
+BIAS_LAYOUTS = {
+    (False, False, False): (False, False),
+    (True, False, False): (False, True),
+    (True, True, True): (True, False),
+}
 
 
 def moe_layer_pattern(config) -> list[int]:
@@ -86,7 +90,8 @@ def megatron_incompatibilities(config) -> list[str]:
         problems.append(
             f"capacity_factor={config.capacity_factor}, eval_capacity_factor={config.eval_capacity_factor}: Megatron "
             "drops tokens per sequence-parallel shard, by token position or probability and at evaluation too, where "
-            "ours drops per group with first-routes-first priority; use dropless routing (both None, the PPMoE default)."
+            "ours drops per group with first-routes-first priority; use dropless routing (both None, the PPMoE "
+            "default)."
         )
     if has_moe and config.router_num_groups != 1:
         problems.append(
@@ -101,12 +106,16 @@ def megatron_incompatibilities(config) -> list[str]:
     bias = (config.attention_bias, config.attention_output_bias, config.mlp_bias)
     if bias not in BIAS_LAYOUTS:
         problems.append(
-            f"(attention_bias, attention_output_bias, mlp_bias)={bias}: Megatron has two bias switches, add_bias_linear "
-            "(every linear layer) and add_qkv_bias (q/k/v only); use all False, only attention_bias, or all True."
+            f"(attention_bias, attention_output_bias, mlp_bias)={bias}: Megatron has two bias switches, "
+            "add_bias_linear (every linear layer) and add_qkv_bias (q/k/v only); use all False, only "
+            "attention_bias, or all True."
         )
     if has_moe and config.shared_expert_intermediate_size and config.mlp_bias:
         problems.append("shared_expert_intermediate_size with mlp_bias=True: Megatron's shared experts have no biases.")
-    if config.position_embedding_type == "rotary" and (config.rope_parameters or {}).get("rope_type", "default") != "default":
+    if (
+        config.position_embedding_type == "rotary"
+        and (config.rope_parameters or {}).get("rope_type", "default") != "default"
+    ):
         problems.append(
             f"rope_parameters={config.rope_parameters}: only the default rotary embedding (rope_theta) is mapped."
         )
@@ -254,7 +263,8 @@ def parse_seq2seq_moe_config(megatron_lm_plugin, model, batch_data):
         "seq2seq_moe cannot be trained with Accelerate's Megatron-LM backend: Accelerate builds encoder-decoders as "
         "megatron.legacy's dense T5Model, megatron-core 0.16.1 has no MoE layer spec for its T5 encoder/decoder "
         "(its MoE layers exist only in GPT specs), and T5 v1.0's tied output embedding rescale (d_model^-0.5) has no "
-        "Megatron equivalent. Train seq2seq_moe with hf_ppmoe's own parallelism (`accelerate launch -m hf_ppmoe.training`)."
+        "Megatron equivalent. Train seq2seq_moe with hf_ppmoe's own parallelism "
+        "(`accelerate launch -m hf_ppmoe.training`)."
     )
 
 
@@ -346,7 +356,9 @@ def model_provider(config, *, make_vocab_size_divisible_by: int = 128, **config_
                 f"model_provider(..., make_vocab_size_divisible_by={args.make_vocab_size_divisible_by})."
             )
         tc = build_transformer_config(config, tp=tp, pp=pp, **config_overrides)
-        spec = get_gpt_decoder_block_spec(tc, use_transformer_engine=False, normalization=tc.normalization, vp_stage=vp_stage)
+        spec = get_gpt_decoder_block_spec(
+            tc, use_transformer_engine=False, normalization=tc.normalization, vp_stage=vp_stage
+        )
         rotary = config.position_embedding_type == "rotary"
         model = GPTModel(
             config=tc,
@@ -453,7 +465,7 @@ class GPTMoETrainStep(AbstractTrainStep):
             if ps.get_data_parallel_world_size() > 1:
                 torch.distributed.all_reduce(reported, group=ps.get_data_parallel_group())
                 reported /= ps.get_data_parallel_world_size()
-            return loss, num_tokens, dict(zip(names, reported))
+            return loss, num_tokens, dict(zip(names, reported, strict=True))
 
         return loss_func
 

@@ -38,8 +38,14 @@ CONFIGS = {
     # learned positions, LayerNorm, biases everywhere (experts too), tied embeddings, tanh GELU, Switch top-1
     "gpt2": dict(GPT2_STYLE, router_type="switch", num_experts_per_tok=1, router_z_loss_coef=0.01),
     # q/k/v bias only, top-2 without renormalisation, a dense first layer, a shared expert, sliding window
-    "qwen": dict(attention_bias=True, attention_output_bias=False, norm_topk_prob=False, moe_layer_frequency=2,
-                 shared_expert_intermediate_size=32, sliding_window=4),
+    "qwen": dict(
+        attention_bias=True,
+        attention_output_bias=False,
+        norm_topk_prob=False,
+        moe_layer_frequency=2,
+        shared_expert_intermediate_size=32,
+        sliding_window=4,
+    ),
 }
 B, S = 2, 8
 results: dict[str, float | str] = {}
@@ -167,8 +173,13 @@ def run_schedule(model, cfg, batch, forward_step, forward_only):
     get_moe_layer_wise_logging_tracker().clear()
     with megatron_cpu.CudaToCpuMode():
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
-            seq_length=S, micro_batch_size=B, forward_only=forward_only,
+            forward_step_func=forward_step,
+            data_iterator=iter([batch]),
+            model=[model],
+            num_microbatches=1,
+            seq_length=S,
+            micro_batch_size=B,
+            forward_only=forward_only,
         )
 
 
@@ -178,7 +189,11 @@ def finish_grads(model):
     from megatron.core import parallel_state as ps
 
     for p in model.parameters():
-        if p.grad is not None and getattr(p, "sequence_parallel", False) and ps.get_tensor_model_parallel_world_size() > 1:
+        if (
+            p.grad is not None
+            and getattr(p, "sequence_parallel", False)
+            and ps.get_tensor_model_parallel_world_size() > 1
+        ):
             dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
     if model.share_embeddings_and_output_weights and ps.get_pipeline_model_parallel_world_size() > 1:
         weight = model.shared_embedding_or_output_weight()
@@ -217,8 +232,13 @@ def check_training(tag, name):
     lm_loss = out.loss - cfg.router_aux_loss_coef * out.aux_loss - cfg.router_z_loss_coef * out.z_loss
     record(f"{tag}/{name}/lm_loss", lambda: abs(losses["lm loss"].item() - lm_loss.item()))
     if pp == 1:
-        record(f"{tag}/{name}/aux_loss", lambda: abs(losses["aux loss"].item() - cfg.router_aux_loss_coef * out.aux_loss.item()))
-        record(f"{tag}/{name}/z_loss", lambda: abs(losses["z loss"].item() - cfg.router_z_loss_coef * out.z_loss.item()))
+        record(
+            f"{tag}/{name}/aux_loss",
+            lambda: abs(losses["aux loss"].item() - cfg.router_aux_loss_coef * out.aux_loss.item()),
+        )
+        record(
+            f"{tag}/{name}/z_loss", lambda: abs(losses["z loss"].item() - cfg.router_z_loss_coef * out.z_loss.item())
+        )
         record(f"{tag}/{name}/total_loss", lambda: abs(sum(v.item() for v in losses.values()) - out.loss.item()))
     else:  # the last stage cannot see earlier stages' router losses: only the LM loss is reported
         record(f"{tag}/{name}/reports_lm_loss_only", lambda: float(set(losses) != {"lm loss"}))
@@ -272,8 +292,12 @@ def initialize(tp, pp):
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=tp, expert_tensor_parallel_size=1)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=tp,
+        expert_tensor_parallel_size=1,
+    )
     megatron_cpu.seed(1234)
 
 
@@ -303,8 +327,11 @@ def main(out_path, work_dir):
         for part in gathered:
             for key, value in part.items():  # the same check on several ranks: keep the worst
                 keep = merged.get(key)
-                merged[key] = value if keep is None or isinstance(value, str) or (
-                    not isinstance(keep, str) and value > keep) else keep
+                merged[key] = (
+                    value
+                    if keep is None or isinstance(value, str) or (not isinstance(keep, str) and value > keep)
+                    else keep
+                )
         Path(out_path).write_text(json.dumps(merged, indent=1))
     dist.barrier()
     dist.destroy_process_group()

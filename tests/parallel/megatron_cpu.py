@@ -64,8 +64,15 @@ def apply() -> None:
 
     from megatron.core.transformer import torch_norm  # 4
 
-    def torch_norm_new(cls, config, hidden_size, eps=1e-5, persist_layer_norm=False, zero_centered_gamma=False,
-                       normalization="LayerNorm"):
+    def torch_norm_new(
+        cls,
+        config,
+        hidden_size,
+        eps=1e-5,
+        persist_layer_norm=False,
+        zero_centered_gamma=False,
+        normalization="LayerNorm",
+    ):
         norm = (torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm)(hidden_size, eps=eps)
         for p in norm.parameters():
             p.sequence_parallel = config.sequence_parallel

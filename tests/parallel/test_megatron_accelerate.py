@@ -49,9 +49,22 @@ def test_accelerate_megatron_trains_converted_gpt_moe(tmp_path):
         reference = model(batches[0], labels=batches[0]).loss.item()
 
     script = Path(__file__).with_name("megatron_accelerate_train.py")
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), str(tmp_path)], capture_output=True, text=True, timeout=1200,
-                         env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+    )
     assert run.returncode == 0, run.stderr[-8000:]
     losses = json.loads((tmp_path / "losses.json").read_text())
     # the first step runs the converted weights: Megatron's loss (LM + aux + z, as reported) = Transformers'

@@ -25,7 +25,9 @@ from hf_ppmoe.conversion.megatron import (
 CONFIGS = {
     "llama": dict(),
     "gpt2": dict(GPT2_STYLE, router_type="switch", num_experts_per_tok=1),
-    "qwen": dict(attention_bias=True, attention_output_bias=False, moe_layer_frequency=2, shared_expert_intermediate_size=32),
+    "qwen": dict(
+        attention_bias=True, attention_output_bias=False, moe_layer_frequency=2, shared_expert_intermediate_size=32
+    ),
 }
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -45,7 +47,9 @@ def assert_same(a: dict, b: dict):
 def test_round_trip_through_megatron_files_is_bit_exact(tmp_path, name, tp, pp):
     m = model(name)
     sd = m.state_dict()
-    save_megatron_checkpoint(to_megatron(sd, m.config, tp=tp, pp=pp), tmp_path / "ckpt", checkpoint_args(m.config, tp=tp, pp=pp))
+    save_megatron_checkpoint(
+        to_megatron(sd, m.config, tp=tp, pp=pp), tmp_path / "ckpt", checkpoint_args(m.config, tp=tp, pp=pp)
+    )
     shards, args = load_megatron_checkpoint(tmp_path / "ckpt")
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (tp, pp)
     assert_same(from_megatron(shards, m.config, tp=tp, pp=pp), sd)
@@ -53,11 +57,17 @@ def test_round_trip_through_megatron_files_is_bit_exact(tmp_path, name, tp, pp):
 
 def test_files_are_laid_out_as_megatron_lm_names_them(tmp_path):
     m = model("gpt2")
-    save_megatron_checkpoint(to_megatron(m.state_dict(), m.config, tp=2, pp=2), tmp_path / "c", checkpoint_args(m.config, tp=2, pp=2))
+    save_megatron_checkpoint(
+        to_megatron(m.state_dict(), m.config, tp=2, pp=2), tmp_path / "c", checkpoint_args(m.config, tp=2, pp=2)
+    )
     assert (tmp_path / "c" / "latest_checkpointed_iteration.txt").read_text() == "release"
     # mp_rank_{tp}_{pp}_{ep}: the expert rank is the tensor rank (experts on the TP group)
     assert sorted(p.name for p in (tmp_path / "c" / "release").iterdir()) == [
-        "mp_rank_00_000_000", "mp_rank_00_001_000", "mp_rank_01_000_001", "mp_rank_01_001_001"]
+        "mp_rank_00_000_000",
+        "mp_rank_00_001_000",
+        "mp_rank_01_000_001",
+        "mp_rank_01_001_001",
+    ]
     record = torch.load(tmp_path / "c/release/mp_rank_01_001_001/model_optim_rng.pt", weights_only=False)
     assert record["checkpoint_version"] == 3.0 and record["iteration"] == 0
     a = record["args"]
@@ -66,16 +76,24 @@ def test_files_are_laid_out_as_megatron_lm_names_them(tmp_path):
     sd = record["model"]
     # last stage of a tied model: layers 2, 3 renumbered 0, 1; a copy of the embedding as output layer; Megatron's
     # linear layers carry an (empty) extra state that its strict loading expects
-    assert "decoder.layers.1.self_attention.linear_qkv.weight" in sd and "decoder.layers.2.input_layernorm.weight" not in sd
+    assert (
+        "decoder.layers.1.self_attention.linear_qkv.weight" in sd
+        and "decoder.layers.2.input_layernorm.weight" not in sd
+    )
     assert sd["output_layer.weight"].shape == (128, 32) and "embedding.word_embeddings.weight" not in sd
-    assert sd["output_layer._extra_state"] is None and sd["decoder.layers.0.self_attention.linear_proj._extra_state"] is None
+    assert (
+        sd["output_layer._extra_state"] is None
+        and sd["decoder.layers.0.self_attention.linear_proj._extra_state"] is None
+    )
     assert "decoder.layers.1.mlp.experts.local_experts.1.linear_fc1.bias" in sd  # experts 2, 3 live on TP rank 1
     assert "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight" not in sd
 
 
 def test_dense_model_has_no_expert_rank_in_file_names(tmp_path):
     m = model(moe_layers=[])
-    save_megatron_checkpoint(to_megatron(m.state_dict(), m.config, tp=2), tmp_path / "c", checkpoint_args(m.config, tp=2, pp=1))
+    save_megatron_checkpoint(
+        to_megatron(m.state_dict(), m.config, tp=2), tmp_path / "c", checkpoint_args(m.config, tp=2, pp=1)
+    )
     assert sorted(p.name for p in (tmp_path / "c/release").iterdir()) == ["mp_rank_00", "mp_rank_01"]
 
 
@@ -90,7 +108,9 @@ def test_tensor_layouts():
     shards = to_megatron(sd, m.config, tp=2)
     gate, up = sd["model.layers.0.mlp.gate_proj.weight"], sd["model.layers.0.mlp.up_proj.weight"]  # [48, 32]
     assert torch.equal(shards[(1, 0)]["decoder.layers.0.mlp.linear_fc1.weight"], torch.cat([gate[24:], up[24:]]))
-    assert torch.equal(shards[(0, 0)]["decoder.layers.0.mlp.linear_fc2.weight"], sd["model.layers.0.mlp.down_proj.weight"][:, :24])
+    assert torch.equal(
+        shards[(0, 0)]["decoder.layers.0.mlp.linear_fc2.weight"], sd["model.layers.0.mlp.down_proj.weight"][:, :24]
+    )
     experts = sd["model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I], input first
     assert torch.equal(shards[(1, 0)]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"], experts[2].t())
     embedding = shards[(1, 0)]["embedding.word_embeddings.weight"]  # vocab 97 padded to 256, rows 128.. on rank 1
@@ -133,11 +153,16 @@ def test_conversion_errors_name_the_problem(tmp_path):
         load_megatron_checkpoint(tmp_path)
 
 
+class Unsaveable:
+    def __reduce__(self):
+        raise RuntimeError("cannot be saved")
+
+
 def test_failed_save_leaves_nothing_behind(tmp_path):
     m = model()
     shards = to_megatron(m.state_dict(), m.config, tp=2)
-    shards[(1, 0)]["not_picklable"] = lambda: None
-    with pytest.raises(Exception):
+    shards[(1, 0)]["unsaveable"] = Unsaveable()  # the second of two rank files fails
+    with pytest.raises(RuntimeError, match="cannot be saved"):
         save_megatron_checkpoint(shards, tmp_path / "c", checkpoint_args(m.config, tp=2, pp=1))
     assert list(tmp_path.iterdir()) == []
 

@@ -25,7 +25,9 @@ def _missing() -> str | None:
     except PackageNotFoundError:
         return 'needs megatron-core (pip install -e ".[megatron]")'
     if found != MEGATRON_CORE_VERSION:
-        return f"the CPU patches in megatron_cpu.py are written for megatron-core {MEGATRON_CORE_VERSION}, found {found}"
+        return (
+            f"the CPU patches in megatron_cpu.py are written for megatron-core {MEGATRON_CORE_VERSION}, found {found}"
+        )
     return None
 
 
@@ -34,10 +36,18 @@ pytestmark = pytest.mark.skipif(_missing() is not None, reason=_missing() or "")
 SCRIPT = Path(__file__).with_name("megatron_checks.py")
 NAMES = ("llama", "gpt2", "qwen")  # see megatron_checks.CONFIGS
 CHECKS = (
-    [f"{layout}/{name}/{what}" for layout in ("tp2", "tp1") for name in NAMES for what in ("logits", "logits_from_megatron")]
+    [
+        f"{layout}/{name}/{what}"
+        for layout in ("tp2", "tp1")
+        for name in NAMES
+        for what in ("logits", "logits_from_megatron")
+    ]
     + ["tp2/llama/checkpoint_logits", "tp2/llama/padded_lm_loss", "pp2/llama/logits", "pp2/gpt2/logits"]
-    + [f"{layout}/{name}/{what}" for layout, name in (("tp2", "llama"), ("tp2", "gpt2"), ("tp1", "gpt2"))
-       for what in ("grads", "lm_loss", "aux_loss", "z_loss", "total_loss")]
+    + [
+        f"{layout}/{name}/{what}"
+        for layout, name in (("tp2", "llama"), ("tp2", "gpt2"), ("tp1", "gpt2"))
+        for what in ("grads", "lm_loss", "aux_loss", "z_loss", "total_loss")
+    ]
     + [f"pp2/{name}/{what}" for name in ("llama", "gpt2") for what in ("grads", "lm_loss", "reports_lm_loss_only")]
 )
 TOLERANCE = 1e-5  # float32; measured differences are below 2e-7
@@ -46,8 +56,17 @@ TOLERANCE = 1e-5  # float32; measured differences are below 2e-7
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
     work = tmp_path_factory.mktemp("megatron")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(SCRIPT), str(work / "results.json"), str(work)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        "2",
+        str(SCRIPT),
+        str(work / "results.json"),
+        str(work),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     if run.returncode != 0:
