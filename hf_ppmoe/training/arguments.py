@@ -12,11 +12,13 @@ from pathlib import Path
 class TrainArguments:
     # ---- model: exactly one of model_name_or_path / config_name / upcycle_from (none: a small default GPT-MoE)
     model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a GPT-MoE/Seq2Seq-MoE model."})
-    config_name: str | None = field(default=None, metadata={"help": "JSON file of a GPTMoEConfig: train from scratch."})
+    config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch."})
     upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle."})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer (upcycling / default model)."})
     num_experts_per_tok: int = field(default=2, metadata={"help": "Routes per token (upcycling / default model)."})
     router_type: str = field(default="topk", metadata={"help": "Gate for upcycling / the default model."})
+    router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
+    expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
 
     # ---- data: text/JSON-lines files, a cached `datasets` dataset, or the built-in corpus

@@ -1,4 +1,4 @@
-"""Causal-LM fine-tuning of GPT-MoE with Accelerate: `main(args)`.
+"""Causal-LM training of GPT-MoE (and of dense Transformers baselines) with Accelerate: `main(args)`.
 
 Order of work (STYLE lesson 12): check arguments -> data and tokenizer -> build, load or upcycle the model ->
 apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) -> save, plot, push.
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from .arguments import TrainArguments
@@ -56,6 +56,8 @@ def load_tokenizer(args: TrainArguments, texts: list[str]):
 
 
 def build_model(args: TrainArguments, tokenizer):
+    """Our GPT-MoE (loaded, from a config, upcycled, or the default small one), or any Transformers causal LM (a
+    dense baseline trained by the same script; it simply has no router metrics)."""
     if args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
     elif args.upcycle_from:
@@ -66,22 +68,28 @@ def build_model(args: TrainArguments, tokenizer):
             num_experts=args.num_experts,
             num_experts_per_tok=args.num_experts_per_tok,
             router_type=args.router_type,
+            router_init=args.router_init,
+            noise_std=args.expert_noise_std,
+            seed=args.seed,
         )
+    elif args.config_name:  # any causal-LM config.json (model_type decides the class), with the tokenizer's ids
+        config = AutoConfig.from_pretrained(args.config_name)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            setattr(config, name, getattr(tokenizer, name))
+        model = AutoModelForCausalLM.from_config(config)
     else:
-        if args.config_name:
-            config = GPTMoEConfig.from_json_file(args.config_name)
-        else:
-            config = GPTMoEConfig(
+        model = GPTMoEForCausalLM(
+            GPTMoEConfig(
                 vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                 num_attention_heads=4, max_position_embeddings=max(512, args.block_size),
                 num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok, router_type=args.router_type,
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
             )
-        model = GPTMoEForCausalLM(config)
-    if not isinstance(model, GPTMoEForCausalLM):
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
         raise ValueError(
-            f"{type(model).__name__} is not a GPT-MoE causal LM; this script trains GPT-MoE. Fine-tune Seq2Seq-MoE "
-            "with transformers' Seq2SeqTrainer on (source, target) pairs."
+            f"{type(model).__name__} is an encoder-decoder; this script trains causal LMs on packed text. Fine-tune "
+            "Seq2Seq-MoE with transformers' Seq2SeqTrainer on (source, target) pairs."
         )
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
@@ -227,9 +235,10 @@ def main(args: TrainArguments) -> dict:
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            aux = out.aux_loss.detach() if out.aux_loss is not None else torch.zeros((), device=accelerator.device)
-            z = out.z_loss.detach() if out.z_loss is not None else torch.zeros((), device=accelerator.device)
-            lm = out.loss.detach() - config.router_aux_loss_coef * aux - config.router_z_loss_coef * z
+            aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
+            aux = aux.detach() if aux is not None else torch.zeros((), device=accelerator.device)
+            z = z.detach() if z is not None else torch.zeros((), device=accelerator.device)
+            lm = out.loss.detach() - getattr(config, "router_aux_loss_coef", 0) * aux - getattr(config, "router_z_loss_coef", 0) * z
             sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
         scheduler.step()
         done = step + 1
