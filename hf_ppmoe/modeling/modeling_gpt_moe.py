@@ -153,6 +153,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
         position_embeddings=None,
         past_key_values=None,
         token_mask=None,
+        compute_router_losses=True,
         **kwargs,
     ):
         attn_out, attn_weights = self.self_attn(
@@ -166,7 +167,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
         h = self.post_attention_layernorm(hidden_states)
         routing = None
         if self.is_moe:
-            h, routing = self.mlp(h, token_mask)
+            h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
         else:
             h = self.mlp(h)
         return hidden_states + self.dropout(h), routing, attn_weights
@@ -205,8 +206,11 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         output_attentions: bool | None = None,
         output_hidden_states: bool | None = None,
         output_router_logits: bool | None = None,
+        compute_router_losses: bool | None = None,
         **kwargs,
     ) -> GPTMoEModelOutput:
+        """`compute_router_losses` (default: when gradients are enabled or router logits are requested) fills
+        `aux_loss` / `z_loss`; inference without gradients skips them, as they only cost time while decoding."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         config = self.config
@@ -214,6 +218,8 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         output_attentions = output_attentions if output_attentions is not None else config.output_attentions
         output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
         output_router_logits = output_router_logits if output_router_logits is not None else config.output_router_logits
+        if compute_router_losses is None:
+            compute_router_losses = torch.is_grad_enabled() or output_router_logits
 
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -253,6 +259,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
                 position_embeddings=position_embeddings,
                 past_key_values=past_key_values,
                 token_mask=token_mask,
+                compute_router_losses=compute_router_losses,
                 position_ids=position_ids,
                 **kwargs,
             )
@@ -264,7 +271,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         if output_hidden_states:
             all_hidden.append(hidden_states)
 
-        aux_loss, z_loss = mean_router_losses(routings)
+        aux_loss, z_loss = mean_router_losses(routings) if compute_router_losses else (None, None)
         return GPTMoEModelOutput(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values if use_cache else None,
@@ -312,6 +319,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             output_router_logits=output_router_logits,
+            compute_router_losses=True if labels is not None else None,
             **kwargs,
         )
         hidden = out.last_hidden_state

@@ -88,47 +88,43 @@ class Gate(nn.Module):
     def _uniform(self, shape, device) -> torch.Tensor:
         return torch.rand(shape, device=device, generator=self.generator)
 
-    def forward(self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None) -> Routing:
+    def forward(
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool = True
+    ) -> Routing:
+        """hidden_states [T, H], token_mask [T] (False for padding) -> Routing. With compute_losses=False the
+        losses and statistics are skipped (a few dozen small operations that dominate decoding time)."""
         T, E = hidden_states.shape[0], self.num_experts
-        if token_mask is None:
-            token_mask = torch.ones(T, dtype=torch.bool, device=hidden_states.device)
         x = hidden_states
         if self.training and self.jitter_noise > 0:
             # multiplicative jitter (Switch Transformer) on a copy: the caller's tensor is never modified
             x = x * (1.0 - self.jitter_noise + 2.0 * self.jitter_noise * self._uniform(x.shape, x.device))
         logits = F.linear(x.float(), self.weight.float())  # [T, E], routing in float32
         expert_ids, weights, probs, assignment = self.select(logits)
-
-        valid = token_mask.view(T, 1)
-        expert_ids = expert_ids.masked_fill(~valid, E)
-        weights = weights.masked_fill(~valid, 0.0)
-        chosen = expert_ids < E
+        if token_mask is not None:
+            expert_ids = expert_ids.masked_fill(~token_mask.view(T, 1), E)
+            weights = weights.masked_fill(~token_mask.view(T, 1), 0.0)
+        chosen = expert_ids
 
         group_size = group_size_for(T, self.num_groups)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         capacity = capacity_for(factor, expert_ids.shape[1], group_size, E)
         if capacity is not None:
             # overflowed routes are dropped: the token passes through the residual connection only
-            keep = chosen & (positions_in_expert(expert_ids, E, group_size) < capacity)
+            keep = (expert_ids < E) & (positions_in_expert(expert_ids, E, group_size) < capacity)
             expert_ids = expert_ids.masked_fill(~keep, E)
             weights = weights.masked_fill(~keep, 0.0)
 
-        with torch.no_grad():
-            tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=E + 1)[:E]
-            num_chosen = chosen.sum()
-            dropped = (num_chosen - tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
-        return Routing(
-            expert_ids=expert_ids,
-            weights=weights,
-            router_logits=logits,
-            num_experts=E,
-            aux_loss=self.load_balancing_loss(probs, assignment, token_mask, group_size),
-            z_loss=self.z_loss(logits, token_mask),
-            tokens_per_expert=tokens_per_expert,
-            dropped_fraction=dropped,
-            group_size=group_size,
-            capacity=capacity,
-        )
+        routing = Routing(expert_ids, weights, logits, E, group_size, capacity)
+        if compute_losses:
+            if token_mask is None:
+                token_mask = torch.ones(T, dtype=torch.bool, device=x.device)
+            routing.aux_loss = self.load_balancing_loss(probs, assignment, token_mask, group_size)
+            routing.z_loss = self.z_loss(logits, token_mask)
+            with torch.no_grad():
+                routing.tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=E + 1)[:E]
+                num_chosen = (chosen < E).sum()
+                routing.dropped_fraction = (num_chosen - routing.tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
+        return routing
 
 
 def _one_hot(ids: torch.Tensor, num_classes: int, dtype) -> torch.Tensor:

@@ -31,14 +31,16 @@ class MoELayer(nn.Module):
         self.shared_expert = MLP(config, shared) if shared else None
 
     def forward(
-        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool = True
     ) -> tuple[torch.Tensor, Routing]:
-        """hidden_states [..., H], token_mask [...] (False for padding) -> (output [..., H], Routing)."""
+        """hidden_states [..., H], token_mask [...] (False for padding) -> (output [..., H], Routing).
+
+        compute_losses=False skips the router losses and statistics (see `Gate.forward`)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if token_mask is not None:
             token_mask = token_mask.reshape(-1).bool()
-        routing = self.gate(x, token_mask)
+        routing = self.gate(x, token_mask, compute_losses=compute_losses)
         out = self.experts(
             x,
             routing.expert_ids,

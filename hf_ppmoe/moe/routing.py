@@ -22,12 +22,13 @@ class Routing:
     weights: torch.Tensor  # [T, K] combine weights; 0 where expert_ids is the sentinel
     router_logits: torch.Tensor  # [T, E] float32, before softmax
     num_experts: int
-    aux_loss: torch.Tensor  # scalar load-balancing loss (padding excluded)
-    z_loss: torch.Tensor  # scalar router z-loss (padding excluded)
-    tokens_per_expert: torch.Tensor  # [E] routes each expert received, real tokens only
-    dropped_fraction: torch.Tensor  # scalar: routes the router chose but capacity dropped / routes it chose
     group_size: int  # S: tokens per group for capacity (the whole batch when there is one group)
     capacity: int | None = None  # C: per-group expert capacity; None means dropless
+    # losses and statistics; None when the gate was asked not to compute them (inference without gradients)
+    aux_loss: torch.Tensor | None = None  # scalar load-balancing loss (padding excluded)
+    z_loss: torch.Tensor | None = None  # scalar router z-loss (padding excluded)
+    tokens_per_expert: torch.Tensor | None = None  # [E] routes each expert received, real tokens only
+    dropped_fraction: torch.Tensor | None = None  # scalar: routes chosen but dropped by capacity / routes chosen
 
     @property
     def top_k(self) -> int:
