@@ -1,4 +1,4 @@
-"""Generation speed on CPU (2 threads).
+"""Generation speed on CPU (2 threads by default).
 
 1. Greedy tokens/s of GPT-MoE (an MoE in every layer: 4 layers, hidden 256, 8 experts of inner size 512, top-2)
    against our dense backbone of the same active size (the same model with a dense FFN of inner size 1024) and
@@ -58,9 +58,7 @@ def seconds(fn) -> float:
 
 
 def interleaved(variants: dict, rounds: int) -> dict[str, list[float]]:
-    """variants: name -> zero-argument callable. Returns name -> seconds per round (after one warm-up each)."""
-    for fn in variants.values():
-        fn()
+    """variants: name -> zero-argument callable. Returns name -> seconds per round."""
     times, names = defaultdict(list), list(variants)
     for r in range(rounds):
         for name in names[r % len(names):] + names[: r % len(names)]:
@@ -86,6 +84,8 @@ def greedy(rounds: int, new_tokens: int) -> list[str]:
         for batch in (1, 8):
             ids = torch.randint(3, vocab, (batch, PROMPT))
             kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+            for m in models.values():  # warm-up
+                m.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
             variants = {name: (lambda m=m: m.generate(ids, **kw)) for name, m in models.items()}
             times = interleaved(variants, rounds)
             tps = {name: batch * new_tokens / statistics.median(t) for name, t in times.items()}
@@ -116,7 +116,7 @@ def beam(rounds: int, new_tokens: int) -> list[str]:
                     "beam": lambda: model.generate(ids, **kw),
                     "flat": lambda: model.generate(ids, custom_generate=flat_beam_search, **kw),
                 }
-                assert torch.equal(variants["beam"](), variants["flat"]())
+                assert torch.equal(variants["beam"](), variants["flat"]())  # also the warm-up
                 times = interleaved(variants, rounds)
                 tps = {name: batch * new_tokens / statistics.median(t) for name, t in times.items()}
                 rows.append(f"| {vocab} | {batch} | {beams} | {tps['beam']:.0f} | {tps['flat']:.0f} | "
@@ -146,7 +146,7 @@ def profile(new_tokens: int) -> list[str]:
         for batch in (1, 8):
             ids = torch.randint(3, 1000, (batch, PROMPT))
             kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-            model.generate(ids, **kw)  # warm-up
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)  # warm-up
             spent, starts, state = defaultdict(float), {}, {"step": 0}
 
             def new_step(module, args):
