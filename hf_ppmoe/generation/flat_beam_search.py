@@ -178,8 +178,8 @@ class _FlatModel:
         positions = position[:, None].expand(B, K)
         allowed = hyp_mask[:, None]  # [B, 1, K, slots]
         mask = torch.zeros(allowed.shape, dtype=torch.float32, device=tokens.device)
-        self.slot_pos = torch.cat([self.slot_pos, positions], 1)
         if self.bias is not None:
+            self.slot_pos = torch.cat([self.slot_pos, positions], 1)
             slots = hyp_mask.shape[-1]
             slot_ids = torch.arange(slots, device=tokens.device).expand(B, slots)
             mask = self.bias.correction(positions, self.slot_pos, slot_ids[:, slots - K:], slot_ids).float()
