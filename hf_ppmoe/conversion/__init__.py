@@ -1,0 +1,1 @@
+"""Checkpoint converters (see DESIGN.md, "Conversion"); `megatron.py`: HF <-> Megatron-LM weights."""

@@ -1,0 +1,1 @@
+"""Parallelism applied to built models from outside (see DESIGN.md, "Parallelism")."""
