@@ -10,8 +10,11 @@
 All variants of a setting run in interleaved rounds inside one process (the order rotates every round), and each
 ratio is the median of the per-round ratios, so drift from other load on the machine cancels out.
 
-    python benchmarks/generation.py                  # everything, 5 rounds (about 10-15 minutes on 2 cores)
-    python benchmarks/generation.py --rounds 3 --only greedy
+    python benchmarks/generation.py                  # everything: 2 threads, 5 rounds, 64 new tokens
+    python benchmarks/generation.py --rounds 3 --new-tokens 32 --only greedy --threads 1
+
+benchmarks/RESULTS.md was made with --rounds 3 --new-tokens 32 (greedy, 2 and 1 threads), --rounds 5 --only beam
+--threads 1 and the profile of the 1-thread run, on 2 cores shared with other jobs.
 """
 
 from __future__ import annotations
