@@ -36,7 +36,8 @@ def expert_usage(model: GPTMoEForCausalLM, sample_texts: list[str], tokenizer) -
     model.eval()
     try:
         for text in sample_texts:
-            ids = tokenizer(text, return_tensors="pt")["input_ids"].to(model.device)
+            # texts longer than the model's positions are cut, as generation would have to
+            ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : model.config.max_position_embeddings].to(model.device)
             out = model(input_ids=ids, output_router_logits=True, use_cache=False)
             for i, expert_ids in zip(layers, out.router_expert_ids):
                 counts[i] += torch.bincount(expert_ids.flatten().cpu(), minlength=E + 1)[:E].double()

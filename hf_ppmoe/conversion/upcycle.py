@@ -160,7 +160,7 @@ def hidden_router_rows(model, ffn_module: str, layers: list[int], sample_texts, 
         for expert_texts in texts:
             per_text: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
             for text in expert_texts:
-                ids = tokenizer(text, return_tensors="pt")["input_ids"]
+                ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : model.config.max_position_embeddings]
                 if ids.numel() == 0:
                     raise ConversionError(f"sample text {text!r} has no tokens")
                 model(input_ids=ids.to(model.device))

@@ -1,7 +1,12 @@
-"""`hf-ppmoe demo`: the README's main job, on the built-in corpus.
+"""`hf-ppmoe demo`: the README's main job, end to end on the built-in corpus (no download).
 
-Builds a small GPT-MoE, trains it briefly on the Python language reference that ships with CPython, prints the
-loss and how many tokens each expert received, generates text, and saves model + tokenizer.
+1. train a small dense GPT-2 on the Python language reference that ships with CPython;
+2. upcycle it to a GPT-MoE and check that its logits equal the dense model's;
+3. fine-tune the MoE and, for the same steps on the same batches, the dense model; compare their eval loss;
+4. generate with GShard flat beam search (and check it equals Transformers' beam search);
+5. merge the MoE's experts back into a plain GPT-2;
+6. write a report (markdown + PNG plots) and print where it is.
+Every stage is the library's public API: `hf_ppmoe.training.main`, `upcycle`, `flat_beam_search`, `merge_experts`.
 """
 
 from __future__ import annotations
@@ -11,103 +16,177 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, GPT2Config
 
-from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
-from ..moe import MoELayer
-from .data import builtin_corpus, pack, train_tokenizer
+from ..conversion import merge_experts, upcycle
+from ..generation import flat_beam_search
+from .arguments import TrainArguments
+from .data import builtin_corpus, train_tokenizer
+from .tracking import read_jsonl
+from .train import main as train
+
+PROMPT = "The assert statement"
 
 
 @dataclass
 class DemoArguments:
-    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where the trained model and tokenizer go."})
-    steps: int = field(default=120, metadata={"help": "Training steps."})
+    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go."})
+    dense_steps: int = field(default=150, metadata={"help": "Steps of dense pre-training."})
+    finetune_steps: int = field(default=100, metadata={"help": "Steps of MoE (and dense) fine-tuning."})
     batch_size: int = field(default=16, metadata={"help": "Sequences per step."})
     block_size: int = field(default=128, metadata={"help": "Tokens per sequence."})
     hidden_size: int = field(default=128, metadata={"help": "Model width."})
-    num_layers: int = field(default=4, metadata={"help": "Transformer layers (every other FFN is MoE)."})
+    num_layers: int = field(default=4, metadata={"help": "Transformer layers (every other FFN becomes MoE)."})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer."})
-    router_type: str = field(default="gshard", metadata={"help": "topk, switch, gshard, prototype, or your own."})
-    learning_rate: float = field(default=3e-3, metadata={"help": "AdamW learning rate."})
+    num_beams: int = field(default=4, metadata={"help": "Beams for flat beam search."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate of every stage."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
 
 
-def expert_load_table(counts: dict[str, torch.Tensor]) -> str:
-    rows = []
-    for name, c in counts.items():
-        share = c / c.sum().clamp(min=1)
-        rows.append(f"  {name:<24}" + " ".join(f"{100 * s:5.1f}%" for s in share.tolist()))
-    return "\n".join(rows)
+def _train(args: DemoArguments, out: Path, steps: int, seed: int, **model) -> dict:
+    return train(
+        TrainArguments(
+            output_dir=str(out), tokenizer_name=str(Path(args.output_dir) / "tokenizer"), max_steps=steps,
+            per_device_train_batch_size=args.batch_size, block_size=args.block_size, learning_rate=args.learning_rate,
+            warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // 4), eval_batches=0, seed=seed,
+            logging_steps=max(1, steps // 50), plots=False, **model,
+        )
+    )
+
+
+@torch.no_grad()
+def _lm_loss(model, blocks: torch.Tensor) -> float:
+    """Next-token cross-entropy alone (an MoE's `loss` also carries its router losses)."""
+    logits = model(blocks).logits
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), blocks[:, 1:].flatten()).item()
+
+
+def _curve(run: Path, key: str):
+    points = [(r["step"], r[key]) for r in read_jsonl(run / "logs" / "metrics.jsonl") if key in r]
+    return [s for s, _ in points], [v for _, v in points]
+
+
+def _plots(root: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    dense_steps = _curve(root / "dense", "train/lm_loss")[0][-1]
+    ax.plot(*_curve(root / "dense", "train/lm_loss"), color="gray", label="dense pre-training")
+    for run, color, label in (("dense-finetuned", "tab:blue", "dense, continued"), ("moe", "tab:red", "upcycled MoE")):
+        steps, values = _curve(root / run, "train/lm_loss")
+        ax.plot([dense_steps + s for s in steps], values, color=color, label=f"{label} (train)")
+        steps, values = _curve(root / run, "eval/loss")
+        ax.plot([dense_steps + s for s in steps], values, color=color, marker="o", linestyle="--", label=f"{label} (eval)")
+    ax.axvline(dense_steps, color="black", linewidth=0.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("LM cross-entropy")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(root / "loss.png", dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    records = read_jsonl(root / "moe" / "logs" / "metrics.jsonl")
+    for key in sorted({k for r in records for k in r if k.startswith("expert_load_cv/")}):
+        ax.plot(*_curve(root / "moe", key), label=key.split("/", 1)[1])
+    ax.set_xlabel("fine-tuning step")
+    ax.set_ylabel("coefficient of variation of expert load")
+    ax.set_title("expert load per MoE layer (0 = perfectly balanced)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(root / "expert_load.png", dpi=120)
+    plt.close(fig)
+    return ["loss.png", "expert_load.png"]
 
 
 def run_demo(args: DemoArguments) -> Path:
+    root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     torch.manual_seed(args.seed)
     texts = builtin_corpus()
     tokenizer = train_tokenizer(texts)
-    blocks = pack(texts, tokenizer, args.block_size)
-    n_eval = max(1, len(blocks) // 20)
-    train, evaluation = blocks[:-n_eval], blocks[-n_eval:]
-    print(f"built-in corpus: {len(texts)} documents, {blocks.numel():,} tokens, vocab {len(tokenizer)}")
+    tokenizer.save_pretrained(root / "tokenizer")
 
-    config = GPTMoEConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden_size,
-        intermediate_size=4 * args.hidden_size,
-        num_hidden_layers=args.num_layers,
-        num_attention_heads=max(1, args.hidden_size // 32),
-        max_position_embeddings=args.block_size,
-        num_experts=args.num_experts,
-        num_experts_per_tok=2 if args.router_type in ("gshard", "topk", "prototype") else 1,
-        router_type=args.router_type,
-        capacity_factor=2.0 if args.router_type in ("gshard", "switch") else None,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-    )
-    model = GPTMoEForCausalLM(config)
-    active = sum(p.numel() for n, p in model.named_parameters() if "experts" not in n)
-    total = sum(p.numel() for p in model.parameters())
-    print(f"GPT-MoE: {total / 1e6:.2f}M parameters ({config.num_experts} experts, {config.router_type} gate)")
+    print(f"[1/6] dense GPT-2 pre-training ({args.dense_steps} steps)")
+    GPT2Config(
+        vocab_size=len(tokenizer), n_embd=args.hidden_size, n_layer=args.num_layers, n_head=max(1, args.hidden_size // 32),
+        n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    ).to_json_file(root / "dense_config.json")
+    dense_eval = _train(args, root / "dense", args.dense_steps, args.seed, config_name=str(root / "dense_config.json"))
 
-    counts: dict[str, torch.Tensor] = {}
-
-    def count_tokens(module, inputs, output, name):
-        counts[name] = counts.get(name, 0) + output[1].tokens_per_expert
-
-    for name, module in model.named_modules():
-        if isinstance(module, MoELayer):
-            module.register_forward_hook(lambda m, i, o, name=name.replace("model.", ""): count_tokens(m, i, o, name))
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.learning_rate, total_steps=args.steps, pct_start=0.1)
-    model.train()
-    start = time.perf_counter()
-    bar = tqdm(range(args.steps), desc="training", dynamic_ncols=True)
-    for step in bar:
-        batch = train[torch.randint(0, len(train), (args.batch_size,))]
-        out = model(batch, labels=batch)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        bar.set_postfix(loss=f"{out.loss.item():.3f}", aux=f"{out.aux_loss.item():.3f}")
-    elapsed = time.perf_counter() - start
-    model.eval()
+    print(f"[2/6] upcycling to a GPT-MoE: {args.num_experts} experts, top-2, every other FFN")
+    dense = AutoModelForCausalLM.from_pretrained(root / "dense").eval()
+    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=2, router_type="topk",
+            router_init="random", seed=args.seed, save_directory=root / "moe-init", overwrite=True)
+    moe = AutoModelForCausalLM.from_pretrained(root / "moe-init").eval()
+    sample = tokenizer(texts[0][:400], return_tensors="pt").input_ids[:, : args.block_size]
     with torch.no_grad():
-        eval_loss = model(evaluation, labels=evaluation).loss.item()
-    print(f"trained {args.steps} steps in {elapsed:.0f}s ({args.steps * train[:1].numel() * args.batch_size / elapsed:,.0f} tokens/s); "
-          f"eval loss {eval_loss:.3f} (perplexity {torch.tensor(eval_loss).exp():.1f})")
-    print("share of routed tokens per expert, per MoE layer:")
-    print(expert_load_table(counts))
+        gap = (moe(sample).logits - dense(sample).logits).abs().max().item()
+    print(f"      max |logit difference| between the upcycled MoE and the dense model: {gap:.2e}")
 
-    prompt = "The assert statement"
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    generated = model.generate(ids, max_new_tokens=40, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    print(f"greedy continuation of {prompt!r}:\n  {tokenizer.decode(generated[0])!r}")
+    print(f"[3/6] fine-tuning the MoE and the dense model for {args.finetune_steps} steps on the same batches")
+    moe_eval = _train(args, root / "moe", args.finetune_steps, args.seed + 1, model_name_or_path=str(root / "moe-init"))
+    dense_ft_eval = _train(args, root / "dense-finetuned", args.finetune_steps, args.seed + 1, model_name_or_path=str(root / "dense"))
+    better = moe_eval["eval/loss"] < dense_ft_eval["eval/loss"]
+    print(f"      eval loss: upcycled MoE {moe_eval['eval/loss']:.4f} vs dense {dense_ft_eval['eval/loss']:.4f} "
+          f"({'the MoE is lower' if better else 'the MoE is NOT lower this time'})")
 
-    out_dir = Path(args.output_dir)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    print(f"saved model and tokenizer to {out_dir.resolve()} (load with AutoModelForCausalLM.from_pretrained)")
-    return out_dir
+    print(f"[4/6] generating with flat beam search ({args.num_beams} beams)")
+    moe = AutoModelForCausalLM.from_pretrained(root / "moe").eval()
+    prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
+    kw = dict(num_beams=args.num_beams, max_new_tokens=30, repetition_penalty=1.3,
+              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    flat = moe.generate(prompt, custom_generate=flat_beam_search, **kw)
+    same = torch.equal(flat, moe.generate(prompt, **kw))
+    text = tokenizer.decode(flat[0], skip_special_tokens=True)
+    print(f"      {text!r}\n      identical to Transformers' beam search: {same}")
+
+    print("[5/6] merging the experts back into a plain GPT-2 (router-usage-weighted mean)")
+    merged = merge_experts(root / "moe", method="usage", sample_texts=texts[:20], tokenizer=tokenizer,
+                           save_directory=root / "merged", overwrite=True)
+    merged = AutoModelForCausalLM.from_pretrained(merged).eval()
+    blocks = tokenizer("\n\n".join(texts[-3:]), return_tensors="pt").input_ids
+    blocks = blocks[:, : (blocks.shape[1] // args.block_size) * args.block_size].view(-1, args.block_size)[:16]
+    merged_loss, moe_loss = _lm_loss(merged, blocks), _lm_loss(moe, blocks)
+    print(f"      {type(merged).__name__}: loss {merged_loss:.4f} on held-out text (the MoE: {moe_loss:.4f})")
+
+    print("[6/6] writing the report")
+    plots = _plots(root)
+    minutes = (time.perf_counter() - start) / 60
+    report = f"""# hf-ppmoe demo
+
+Built-in corpus: the Python language reference shipped with CPython ({len(texts)} documents); byte-level BPE
+tokenizer with {len(tokenizer)} tokens; sequences of {args.block_size} tokens, {args.batch_size} per step.
+
+| stage | model | steps | eval loss |
+|---|---|---|---|
+| dense pre-training | GPT-2, {args.num_layers} layers, hidden {args.hidden_size} | {args.dense_steps} | {dense_eval['eval/loss']:.4f} |
+| fine-tuning | dense GPT-2, continued | {args.finetune_steps} | {dense_ft_eval['eval/loss']:.4f} |
+| fine-tuning | upcycled GPT-MoE, {args.num_experts} experts top-2, every other FFN | {args.finetune_steps} | {moe_eval['eval/loss']:.4f} |
+
+- Upcycling is exact: max |logit difference| between the fresh MoE and the dense model = {gap:.2e}.
+- After the same fine-tuning steps on the same batches the MoE's eval loss is {'lower' if better else 'not lower'} than the
+  dense model's ({moe_eval['eval/loss']:.4f} vs {dense_ft_eval['eval/loss']:.4f}).
+- Flat beam search ({args.num_beams} beams) from "{PROMPT}": `{text!r}`; identical to Transformers' beam search: {same}.
+- Merged back into `{type(merged).__name__}` (router-usage-weighted mean of the experts): held-out loss
+  {merged_loss:.4f}, against {moe_loss:.4f} for the MoE.
+- Total time: {minutes:.1f} minutes.
+
+![loss](loss.png)
+
+![expert load](expert_load.png)
+
+Folders: `dense/` (GPT-2), `moe-init/` (upcycled), `moe/` (fine-tuned GPT-MoE), `dense-finetuned/`, `merged/`
+(plain GPT-2, loads without hf_ppmoe); each run has `logs/metrics.jsonl`.
+"""
+    (root / "report.md").write_text(report)
+    print(f"done in {minutes:.1f} min: report at {(root / 'report.md').resolve()} (plots: {', '.join(plots)})")
+    return root / "report.md"

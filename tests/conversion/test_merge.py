@@ -92,6 +92,15 @@ def test_usage_weights_the_mean_by_routes_per_expert(dense, tmp_path):
     torch.testing.assert_close(merged.model.layers[1].mlp.down_proj.weight, expected.t(), atol=1e-6, rtol=0)
 
 
+def test_usage_cuts_texts_longer_than_the_positions(dense):
+    """GPT-2 has learned positions: a sample text longer than n_positions is counted on its first n_positions tokens."""
+    moe = _noisy_moe(dense, "gpt2")
+    long_text = " ".join(SAMPLE_TEXTS) * 50
+    assert tokenizer()(long_text, return_tensors="pt")["input_ids"].shape[1] > moe.config.max_position_embeddings
+    merged = merge_experts(moe, method="usage", sample_texts=[long_text], tokenizer=tokenizer())
+    assert type(merged).__name__ == "GPT2LMHeadModel"
+
+
 def test_usage_needs_sample_texts(dense):
     with pytest.raises(ValueError, match="needs sample_texts"):
         merge_experts(_noisy_moe(dense), method="usage", tokenizer=tokenizer())
