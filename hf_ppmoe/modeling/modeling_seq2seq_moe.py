@@ -469,12 +469,6 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
     config_class = Seq2SeqMoEConfig
     _no_split_modules = ["Seq2SeqMoEEncoderLayer", "Seq2SeqMoEDecoderLayer"]
     _supports_flash_attn = False  # the relative position bias is added to the scores; flash kernels take no bias
-    # always tied, whatever tie_word_embeddings says (that flag only ties the LM head, in the subclass's keys)
-    _tied_embedding_keys: dict[str, str] = {}
-
-    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
-        tied = super().get_expanded_tied_weights_keys(all_submodels=all_submodels)
-        return tied if all_submodels else {**self._tied_embedding_keys, **tied}
 
     def _shift_right(self, labels: torch.LongTensor) -> torch.LongTensor:
         """labels [B, L] -> decoder_input_ids [B, L]: decoder_start_token_id, then the labels shifted right by one,
@@ -492,7 +486,7 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
 
 class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel"}
-    _tied_embedding_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
 
     def __init__(self, config: Seq2SeqMoEConfig):
         super().__init__(config)
@@ -501,6 +495,12 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         self.encoder = Seq2SeqMoEEncoder(config, self.shared)
         self.decoder = Seq2SeqMoEDecoder(config, self.shared)
         self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # both stacks always read the shared embedding; tie_word_embeddings only decides about the LM head
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return dict(self._tied_weights_keys)
 
     def get_input_embeddings(self):
         return self.shared
