@@ -33,7 +33,11 @@ def test_generate_with_cache_equals_without(gate, dispatch):
     model = make_model(gate, dispatch=dispatch, num_decoder_layers=3)
     ids = src()
     kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    encoder_calls = []
+    hook = model.model.encoder.register_forward_hook(lambda *args: encoder_calls.append(1))
     with_cache = model.generate(ids, use_cache=True, **kw)
+    hook.remove()
+    assert len(encoder_calls) == 1  # the encoder output is computed once and reused at every step
     assert torch.equal(with_cache, model.generate(ids, use_cache=False, **kw))
     # incremental decoding (cached self- and cross-attention, reused encoder output) equals a full forward
     full = model(ids, decoder_input_ids=with_cache).logits[:, -1]
@@ -44,6 +48,9 @@ def test_generate_with_cache_equals_without(gate, dispatch):
         past_key_values=first.past_key_values,
     ).logits[:, -1]
     torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-4)
+    cache = first.past_key_values
+    assert cache.self_attention_cache.get_seq_length() == with_cache.shape[1]
+    assert all(cache.cross_attention_cache.get_seq_length(i) == ids.shape[1] for i in range(3))  # computed once
 
 
 def test_beam_search_and_sampling():
