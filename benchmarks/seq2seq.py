@@ -29,10 +29,10 @@ SWITCH_MOE = re.compile(r"(encoder|decoder)\.block\.(\d+)\.layer\.\d\.mlp\.(rout
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--src-len", type=int, default=64)
-    p.add_argument("--tgt-len", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=10)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--src-len", type=int, default=128)
+    p.add_argument("--tgt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=32, help="greedy tokens generated per sequence")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=1024)
