@@ -28,7 +28,8 @@ from ..modeling.modeling_seq2seq_moe import Seq2SeqMoEForConditionalGeneration
 
 # T5 keys with no counterpart: tied copies of `shared`, and a bias table T5 itself never uses
 T5_IGNORED = re.compile(
-    r"(encoder|decoder)\.embed_tokens\.weight|decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight"
+    r"(encoder|decoder)\.embed_tokens\.weight"
+    r"|decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight"
 )
 
 
@@ -40,7 +41,10 @@ def weight_names(gated: bool) -> list[tuple[str, str]]:
     for stack, ffn_sublayer in (("encoder", 1), ("decoder", 2)):
         t5, ours = f"{stack}.block.{{i}}.layer", f"model.{stack}.layers.{{i}}"
         rows += [
-            (f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", f"model.{stack}.relative_attention_bias.weight"),
+            (
+                f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                f"model.{stack}.relative_attention_bias.weight",
+            ),
             (f"{stack}.final_layer_norm.weight", f"model.{stack}.norm.weight"),
             (f"{t5}.0.layer_norm.weight", f"{ours}.input_layernorm.weight"),
             *[(f"{t5}.0.SelfAttention.{p}.weight", f"{ours}.self_attn.{p}_proj.weight") for p in "qkvo"],

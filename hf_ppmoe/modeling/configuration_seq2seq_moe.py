@@ -17,7 +17,8 @@ class Seq2SeqMoEConfig(MoEConfig):
     Args (beyond Transformers' usual names: vocab_size, hidden_size, intermediate_size, num_attention_heads, head_dim,
     hidden_act, attention_bias, mlp_bias, attention_dropout, tie_word_embeddings, pad_token_id, eos_token_id,
     decoder_start_token_id, num_experts, num_experts_per_tok, router_aux_loss_coef, output_router_logits):
-        num_hidden_layers / num_decoder_layers: encoder / decoder depth (as in T5; the decoder defaults to the encoder's).
+        num_hidden_layers / num_decoder_layers: encoder / decoder depth (as in T5; the decoder's defaults to the
+            encoder's).
         gated_mlp: gate/up/down FFN (T5 v1.1 "gated-gelu") instead of up/down (T5 v1.0 "relu").
         attention_scaling: multiplier of q.k; None means head_dim**-0.5. T5 uses 1.0 (its query init carries the scale).
         relative_attention_num_buckets / relative_attention_max_distance: T5's relative position buckets; the
@@ -86,7 +87,10 @@ class Seq2SeqMoEConfig(MoEConfig):
         )
         for name in ("num_hidden_layers", "num_decoder_layers"):
             check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}.")
-        check(self.norm_type in ("rmsnorm", "layernorm"), f"Unknown norm_type {self.norm_type!r}; use 'rmsnorm' or 'layernorm'.")
+        check(
+            self.norm_type in ("rmsnorm", "layernorm"),
+            f"Unknown norm_type {self.norm_type!r}; use 'rmsnorm' or 'layernorm'.",
+        )
         for name in ("attention_dropout", "hidden_dropout"):
             check(0.0 <= getattr(self, name) < 1.0, f"{name} must be in [0, 1), got {getattr(self, name)}.")
         check(
@@ -102,7 +106,8 @@ class Seq2SeqMoEConfig(MoEConfig):
         check(
             self.relative_attention_max_distance > self.relative_attention_num_buckets // 2,
             f"relative_attention_max_distance={self.relative_attention_max_distance} must exceed "
-            f"relative_attention_num_buckets // 2 = {self.relative_attention_num_buckets // 2} (the exactly bucketed offsets).",
+            f"relative_attention_num_buckets // 2 = {self.relative_attention_num_buckets // 2} "
+            "(the offsets bucketed exactly).",
         )
         self.validate_moe()
         check(

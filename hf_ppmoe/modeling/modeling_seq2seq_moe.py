@@ -4,9 +4,9 @@
 Legend: B batch, S source length, L target (decoder query) length, P cached target length, N heads, D head dim,
 H hidden, V vocabulary.
 
-    input_ids [B, S] ──shared──> encoder: [self-attn (bidirectional) -> FFN | MoE] x layers -> norm ──┐ [B, S, H]
-    decoder_input_ids [B, L] ──shared──> decoder: [causal self-attn -> cross-attn -> FFN | MoE] x layers -> norm
-                                                   ──(x H**-0.5 if scale_decoder_outputs)──> lm_head -> logits [B, L, V]
+    input_ids [B, S] ─shared─> encoder: [self-attn (bidirectional) -> FFN | MoE] x layers -> norm ─┐ [B, S, H]
+    decoder_input_ids [B, L] ─shared─> decoder: [causal self-attn -> cross-attn -> FFN | MoE] x layers -> norm
+                                      ─(x H**-0.5 if scale_decoder_outputs)─> lm_head -> logits [B, L, V]
 
 Each stack computes T5's bucketed relative position bias [1, N, L, P + L] once and every self-attention adds it to
 its scores; cross-attention has none. Padding tokens (encoder `attention_mask`; decoder `decoder_attention_mask` and
@@ -107,8 +107,9 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
     return buckets + torch.where(is_small, distance, large)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **kwargs):
-    """query [B, N, L, D], key/value [B, N, K, D], position_bias [1, N, L, K] -> out [B, L, N, D], weights [B, N, L, K]."""
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **_):
+    """query [B, N, L, D], key/value [B, N, K, D], position_bias [1, N, L, K]
+    -> out [B, L, N, D], weights [B, N, L, K]."""
     weights = torch.matmul(query, key.transpose(2, 3)) * scaling
     if position_bias is not None:
         weights = weights + position_bias
@@ -156,7 +157,9 @@ class Seq2SeqMoEAttention(nn.Module):
             past_key_values.is_updated[self.layer_idx] = True
         return k, v
 
-    def forward(self, hidden_states, attention_mask, position_bias=None, key_value_states=None, past_key_values=None, **kwargs):
+    def forward(
+        self, hidden_states, attention_mask, position_bias=None, key_value_states=None, past_key_values=None, **kwargs
+    ):
         """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
         q = self._project(self.q_proj, hidden_states)
         k, v = self._key_values(hidden_states, key_value_states, past_key_values)
@@ -283,7 +286,8 @@ class Seq2SeqMoEStack(nn.Module):
 
     def _embed(self, input_ids, inputs_embeds):
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("Pass exactly one of input_ids or inputs_embeds (decoder_input_ids or decoder_inputs_embeds).")
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds (for the decoder: decoder_input_ids or "
+                             "decoder_inputs_embeds, or labels).")
         return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
 
     def _output(self, hidden_states, routings, all_hidden, all_attn, output_router_logits, **fields):
@@ -486,7 +490,10 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
 
 class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel"}
-    _tied_weights_keys = {"encoder.embed_tokens.weight": "shared.weight", "decoder.embed_tokens.weight": "shared.weight"}
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
 
     def __init__(self, config: Seq2SeqMoEConfig):
         super().__init__(config)
@@ -644,7 +651,8 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, GenerationMi
         if labels is not None:
             loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
             if out.aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+                config = self.config
+                loss = loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
         return Seq2SeqMoELMOutput(
             loss=loss,
             logits=logits,
