@@ -3,9 +3,16 @@
 Importing the package registers our configs and models with Transformers' Auto classes.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-from .modeling import GPTMoEConfig, GPTMoEForCausalLM, GPTMoEModel
+from .modeling import (
+    GPTMoEConfig,
+    GPTMoEForCausalLM,
+    GPTMoEModel,
+    Seq2SeqMoEConfig,
+    Seq2SeqMoEForConditionalGeneration,
+    Seq2SeqMoEModel,
+)
 
 __version__ = "0.1.0"
 
@@ -13,4 +20,15 @@ AutoConfig.register(GPTMoEConfig.model_type, GPTMoEConfig, exist_ok=True)
 AutoModel.register(GPTMoEConfig, GPTMoEModel, exist_ok=True)
 AutoModelForCausalLM.register(GPTMoEConfig, GPTMoEForCausalLM, exist_ok=True)
 
-__all__ = ["GPTMoEConfig", "GPTMoEForCausalLM", "GPTMoEModel"]
+AutoConfig.register(Seq2SeqMoEConfig.model_type, Seq2SeqMoEConfig, exist_ok=True)
+AutoModel.register(Seq2SeqMoEConfig, Seq2SeqMoEModel, exist_ok=True)
+AutoModelForSeq2SeqLM.register(Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration, exist_ok=True)
+
+__all__ = [
+    "GPTMoEConfig",
+    "GPTMoEForCausalLM",
+    "GPTMoEModel",
+    "Seq2SeqMoEConfig",
+    "Seq2SeqMoEForConditionalGeneration",
+    "Seq2SeqMoEModel",
+]

@@ -1,5 +1,5 @@
 """Checkpoint converters (see DESIGN.md, "Conversion"): dense -> MoE (`upcycle`), MoE -> dense (`merge_experts`),
-MoE imports (`import_moe`); `megatron.py`: HF <-> Megatron-LM weights.
+MoE imports (`import_moe`); `t5.py`: T5 <-> Seq2Seq-MoE weight names; `megatron.py`: HF <-> Megatron-LM weights.
 
 Each conversion is a chain of declarative, reversible weight-name tables (`mapping.py`) applied lazily to a source
 read with `safe_open`, checked whole on meta tensors, and written tensor by tensor into a temporary folder that is

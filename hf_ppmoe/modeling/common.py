@@ -51,7 +51,7 @@ def build_norm(norm_type: str, hidden_size: int, eps: float) -> nn.Module:
 
 def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Aux and z losses averaged over the MoE layers (so the coefficients do not depend on depth)."""
-    if not routings:
+    if not routings or routings[0].aux_loss is None:  # none, or computed without losses (inference)
         return None, None
     aux = torch.stack([r.aux_loss for r in routings]).mean()
     z = torch.stack([r.z_loss for r in routings]).mean()

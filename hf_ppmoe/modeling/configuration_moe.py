@@ -86,9 +86,10 @@ class MoEConfig(PreTrainedConfig):
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}.")
 
-    def is_moe_layer(self, layer_idx: int, moe_layers: list[int] | None = None) -> bool:
-        """Whether FFN `layer_idx` is an MoE layer: listed in `moe_layers`, else every `moe_layer_frequency`-th."""
+    def is_moe_layer(self, layer_idx: int, moe_layers: list[int] | None = None, frequency: int | None = None) -> bool:
+        """Whether FFN `layer_idx` is an MoE layer: listed in `moe_layers`, else every `frequency`-th
+        (`moe_layer_frequency` by default; an encoder-decoder passes each stack's own list and frequency)."""
         moe_layers = self.moe_layers if moe_layers is None else moe_layers
         if moe_layers is not None:
             return layer_idx in moe_layers
-        return (layer_idx + 1) % self.moe_layer_frequency == 0
+        return (layer_idx + 1) % (frequency or self.moe_layer_frequency) == 0

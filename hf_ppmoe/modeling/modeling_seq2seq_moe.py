@@ -1,0 +1,700 @@
+"""Seq2Seq-MoE: a Transformer encoder-decoder (T5 layout; GShard's M4) whose every n-th FFN in each stack is an
+`MoELayer`. Single-device code: parallelism is applied from `hf_ppmoe.parallel`.
+
+Legend: B batch, S source length, L target (decoder query) length, P cached target length, N heads, D head dim,
+H hidden, V vocabulary.
+
+    input_ids [B, S] ─shared─> encoder: [self-attn (bidirectional) -> FFN | MoE] x layers -> norm ─┐ [B, S, H]
+    decoder_input_ids [B, L] ─shared─> decoder: [causal self-attn -> cross-attn -> FFN | MoE] x layers -> norm
+                                      ─(x H**-0.5 if scale_decoder_outputs)─> lm_head -> logits [B, L, V]
+
+Each stack computes T5's bucketed relative position bias [1, N, L, P + L] once and every self-attention adds it to
+its scores; cross-attention has none. Padding tokens (encoder `attention_mask`; decoder `decoder_attention_mask` and
+labels == -100) are kept out of routing statistics and router losses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.loss.loss_utils import ForMaskedLMLoss
+from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqMoEModelOutput,
+    Seq2SeqMoEOutput,
+)
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..moe.experts import MLP
+from ..moe.layer import MoELayer
+from .common import MoEPreTrainedModel, build_norm, mean_router_losses
+from .configuration_seq2seq_moe import Seq2SeqMoEConfig
+
+
+@dataclass
+class Seq2SeqMoEStackOutput(BaseModelOutputWithPastAndCrossAttentions):
+    """Output of the encoder or the decoder stack. `router_logits` / `router_expert_ids`: one `[T, E]` / `[T, K]`
+    tensor per MoE layer (with output_router_logits). `router_losses`: (aux_loss, z_loss) averaged over the stack's
+    MoE layers; a tuple, not two tensor fields, because `generate` repeats every tensor field of the encoder output
+    once per beam, and these are batch-level scalars."""
+
+    router_logits: tuple[torch.Tensor, ...] | None = None
+    router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    router_losses: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def aux_loss(self) -> torch.Tensor | None:
+        return None if self.router_losses is None else self.router_losses[0]
+
+    @property
+    def z_loss(self) -> torch.Tensor | None:
+        return None if self.router_losses is None else self.router_losses[1]
+
+
+@dataclass
+class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
+    """Transformers' `Seq2SeqMoEModelOutput` plus each stack's routes and router losses; `aux_loss` / `z_loss` are
+    averaged over the MoE layers of both stacks."""
+
+    encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    encoder_aux_loss: torch.Tensor | None = None
+    encoder_z_loss: torch.Tensor | None = None
+    decoder_aux_loss: torch.Tensor | None = None
+    decoder_z_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+@dataclass
+class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
+    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given), with
+    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks."""
+
+    encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
+    aux_loss: torch.Tensor | None = None
+    z_loss: torch.Tensor | None = None
+
+
+def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's (Mesh TensorFlow's) bucketing of key_position - query_position: half the buckets are exact small offsets,
+    the rest grow logarithmically up to max_distance; bidirectional buckets split the range by sign, causal ones
+    keep only the past."""
+    buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        buckets = (relative_position > 0).long() * num_buckets
+        distance = relative_position.abs()
+    else:
+        distance = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    # float32 math exactly as T5 (log of 0 for small distances is discarded by the where below)
+    large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).long()
+    large = torch.min(large, torch.full_like(large, num_buckets - 1))
+    return buckets + torch.where(is_small, distance, large)
+
+
+def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **_):
+    """query [B, N, L, D], key/value [B, N, K, D], position_bias [1, N, L, K]
+    -> out [B, L, N, D], weights [B, N, L, K]."""
+    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if position_bias is not None:
+        weights = weights + position_bias
+    if attention_mask is not None:
+        if attention_mask.dtype == torch.bool:
+            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
+        else:
+            weights = weights + attention_mask
+    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class Seq2SeqMoEAttention(nn.Module):
+    """Self-attention (encoder: bidirectional, decoder: causal and cached) or cross-attention (keys/values from the
+    encoder output, computed once per generation and kept in the cross-attention cache)."""
+
+    def __init__(self, config: Seq2SeqMoEConfig, layer_idx: int, is_causal: bool = False, is_cross: bool = False):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.is_causal, self.is_cross = is_causal, is_cross
+        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.scaling = config.attention_scaling if config.attention_scaling is not None else self.head_dim**-0.5
+        H, inner, bias = config.hidden_size, config.num_attention_heads * self.head_dim, config.attention_bias
+        self.q_proj = nn.Linear(H, inner, bias=bias)
+        self.k_proj = nn.Linear(H, inner, bias=bias)
+        self.v_proj = nn.Linear(H, inner, bias=bias)
+        self.o_proj = nn.Linear(inner, H, bias=bias)
+
+    def _project(self, proj: nn.Linear, states: torch.Tensor) -> torch.Tensor:
+        return proj(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)  # [B, N, len, D]
+
+    def _key_values(self, hidden_states, key_value_states, past_key_values: EncoderDecoderCache | None):
+        if not self.is_cross:
+            k, v = self._project(self.k_proj, hidden_states), self._project(self.v_proj, hidden_states)
+            if past_key_values is not None:
+                k, v = past_key_values.self_attention_cache.update(k, v, self.layer_idx)
+            return k, v
+        if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
+            layer = past_key_values.cross_attention_cache.layers[self.layer_idx]  # the encoder output does not change
+            return layer.keys, layer.values
+        k, v = self._project(self.k_proj, key_value_states), self._project(self.v_proj, key_value_states)
+        if past_key_values is not None:
+            k, v = past_key_values.cross_attention_cache.update(k, v, self.layer_idx)
+            past_key_values.is_updated[self.layer_idx] = True
+        return k, v
+
+    def forward(
+        self, hidden_states, attention_mask, position_bias=None, key_value_states=None, past_key_values=None, **kwargs
+    ):
+        """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
+        q = self._project(self.q_proj, hidden_states)
+        k, v = self._key_values(hidden_states, key_value_states, past_key_values)
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
+        out, weights = attention(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.config.attention_dropout if self.training else 0.0,
+            scaling=self.scaling,
+            position_bias=position_bias,
+            **kwargs,
+        )
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+
+
+class Seq2SeqMoEEncoderLayer(GradientCheckpointingLayer):
+    """Pre-norm self-attention, then the FFN (dense `MLP` or `MoELayer`), each with a residual connection."""
+
+    def __init__(self, config: Seq2SeqMoEConfig, layer_idx: int, is_moe: bool, is_decoder: bool = False):
+        super().__init__()
+        H, eps = config.hidden_size, config.layer_norm_eps
+        self.input_layernorm = build_norm(config.norm_type, H, eps)
+        self.self_attn = Seq2SeqMoEAttention(config, layer_idx, is_causal=is_decoder)
+        if is_decoder:  # built here so that parameters are listed in the order they are used
+            self.cross_attn_layernorm = build_norm(config.norm_type, H, eps)
+            self.cross_attn = Seq2SeqMoEAttention(config, layer_idx, is_cross=True)
+        self.post_attention_layernorm = build_norm(config.norm_type, H, eps)
+        self.is_moe = is_moe
+        self.mlp = MoELayer(config) if is_moe else MLP(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def _self_attention(self, hidden_states, attention_mask, position_bias, past_key_values=None, **kwargs):
+        out, weights = self.self_attn(
+            self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_bias=position_bias,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        return hidden_states + self.dropout(out), weights
+
+    def _feed_forward(self, hidden_states, token_mask, compute_router_losses=True):
+        h = self.post_attention_layernorm(hidden_states)
+        routing = None
+        if self.is_moe:
+            h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
+        else:
+            h = self.mlp(h)
+        return hidden_states + self.dropout(h), routing
+
+    def forward(
+        self, hidden_states, attention_mask=None, position_bias=None, token_mask=None, compute_router_losses=True, **kwargs
+    ):
+        """hidden_states [B, S, H] -> (hidden_states, Routing | None, self-attention weights | None)."""
+        hidden_states, weights = self._self_attention(hidden_states, attention_mask, position_bias, **kwargs)
+        hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
+        return hidden_states, routing, weights
+
+
+class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
+    """Causal self-attention, cross-attention over the encoder output, then the FFN (dense or MoE)."""
+
+    def __init__(self, config: Seq2SeqMoEConfig, layer_idx: int, is_moe: bool):
+        super().__init__(config, layer_idx, is_moe, is_decoder=True)
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_bias=None,
+        encoder_hidden_states=None,
+        encoder_attention_mask=None,
+        past_key_values=None,
+        token_mask=None,
+        compute_router_losses=True,
+        **kwargs,
+    ):
+        """hidden_states [B, L, H], encoder_hidden_states [B, S, H] -> (hidden_states, Routing | None,
+        (self-attention weights, cross-attention weights))."""
+        hidden_states, self_weights = self._self_attention(
+            hidden_states, attention_mask, position_bias, past_key_values=past_key_values, **kwargs
+        )
+        out, cross_weights = self.cross_attn(
+            self.cross_attn_layernorm(hidden_states),
+            attention_mask=encoder_attention_mask,
+            key_value_states=encoder_hidden_states,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        hidden_states = hidden_states + self.dropout(out)
+        hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
+        return hidden_states, routing, (self_weights, cross_weights)
+
+
+class Seq2SeqMoEStack(nn.Module):
+    """What the encoder and the decoder share: the (tied) token embedding, one relative position bias table, the
+    layers, the final norm."""
+
+    bidirectional = True
+
+    def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding, layers: list[nn.Module]):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = embed_tokens
+        self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+        self.layers = nn.ModuleList(layers)
+        self.norm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.num_moe_layers = sum(layer.is_moe for layer in self.layers)
+
+    def position_bias(self, query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
+        """[1, N, query_length, key_length]: the bias of key j for query i (at absolute position past_length + i)."""
+        query = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_length
+        key = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        buckets = relative_position_bucket(
+            key - query,
+            bidirectional=self.bidirectional,
+            num_buckets=self.config.relative_attention_num_buckets,
+            max_distance=self.config.relative_attention_max_distance,
+        )
+        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+
+    def _embed(self, input_ids, inputs_embeds):
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids or inputs_embeds (for the decoder: decoder_input_ids or "
+                             "decoder_inputs_embeds, or labels).")
+        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+
+    def _output(self, hidden_states, routings, all_hidden, all_attn, output_router_logits, **fields):
+        hidden_states = self.dropout(self.norm(hidden_states))
+        if all_hidden is not None:
+            all_hidden.append(hidden_states)
+        aux_loss, z_loss = mean_router_losses(routings)
+        return Seq2SeqMoEStackOutput(
+            last_hidden_state=hidden_states,
+            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
+            attentions=tuple(all_attn) if all_attn is not None else None,
+            router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
+            router_expert_ids=tuple(r.expert_ids for r in routings) if output_router_logits else None,
+            router_losses=(aux_loss, z_loss) if aux_loss is not None else None,
+            **fields,
+        )
+
+
+def _flags(config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses):
+    """Config defaults; router losses (default: with gradients or router logits) only cost time while decoding."""
+    output_router_logits = output_router_logits if output_router_logits is not None else config.output_router_logits
+    return (
+        output_attentions if output_attentions is not None else config.output_attentions,
+        output_hidden_states if output_hidden_states is not None else config.output_hidden_states,
+        output_router_logits,
+        compute_router_losses if compute_router_losses is not None else torch.is_grad_enabled() or output_router_logits,
+    )
+
+
+class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
+    def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding):
+        layers = [
+            Seq2SeqMoEEncoderLayer(config, i, config.is_encoder_moe_layer(i)) for i in range(config.num_hidden_layers)
+        ]
+        super().__init__(config, embed_tokens, layers)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        compute_router_losses: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqMoEStackOutput:
+        """input_ids [B, S], attention_mask [B, S] (0 for padding) -> last_hidden_state [B, S, H] and router outputs."""
+        kwargs.pop("return_dict", None)  # `generate` asks for a ModelOutput, which is what this returns
+        output_attentions, output_hidden_states, output_router_logits, compute_router_losses = _flags(
+            self.config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses
+        )
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask)
+        S = inputs_embeds.shape[1]
+        position_bias = self.position_bias(S, S, 0, inputs_embeds.device)
+        token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+
+        hidden_states = self.dropout(inputs_embeds)
+        all_hidden = [] if output_hidden_states else None
+        all_attn = [] if output_attentions else None
+        routings = []
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states, routing, weights = layer(
+                hidden_states,
+                attention_mask=mask,
+                position_bias=position_bias,
+                token_mask=token_mask,
+                compute_router_losses=compute_router_losses,
+                **kwargs,
+            )
+            if routing is not None:
+                routings.append(routing)
+            if all_attn is not None:
+                all_attn.append(weights)
+        return self._output(hidden_states, routings, all_hidden, all_attn, output_router_logits)
+
+
+class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
+    bidirectional = False
+
+    def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding):
+        layers = [
+            Seq2SeqMoEDecoderLayer(config, i, config.is_decoder_moe_layer(i)) for i in range(config.num_decoder_layers)
+        ]
+        super().__init__(config, embed_tokens, layers)
+
+    def _cache(self, past_key_values: Cache | None, use_cache: bool) -> EncoderDecoderCache | None:
+        if past_key_values is None:
+            return EncoderDecoderCache(DynamicCache(), DynamicCache()) if use_cache else None
+        if not isinstance(past_key_values, EncoderDecoderCache):
+            past_key_values = EncoderDecoderCache(past_key_values, DynamicCache())
+        # `generate` sizes its DynamicCache from config.num_hidden_layers, the encoder's depth (T5 in Transformers
+        # fails the same way when num_decoder_layers is larger): give a deeper decoder the layers it needs
+        for cache in (past_key_values.self_attention_cache, past_key_values.cross_attention_cache):
+            if type(cache) is DynamicCache and cache.layer_class_to_replicate is None:
+                cache.layers.extend(DynamicLayer() for _ in range(len(self.layers) - len(cache.layers)))
+        return past_key_values
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        encoder_attention_mask: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        use_cache: bool | None = None,
+        token_mask: torch.Tensor | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        compute_router_losses: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqMoEStackOutput:
+        """input_ids [B, L] (the new tokens when past_key_values holds P earlier ones), attention_mask [B, P + L],
+        encoder_hidden_states [B, S, H], encoder_attention_mask [B, S], token_mask [B, L] (False: not routed for
+        losses/statistics) -> last_hidden_state [B, L, H], past_key_values, router outputs."""
+        output_attentions, output_hidden_states, output_router_logits, compute_router_losses = _flags(
+            self.config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses
+        )
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        inputs_embeds = self._embed(input_ids, inputs_embeds)
+        past_key_values = self._cache(past_key_values, use_cache)
+        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        L = inputs_embeds.shape[1]
+        P = self_cache.get_seq_length() if self_cache is not None else 0
+
+        causal_mask = create_causal_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=self_cache
+        )
+        cross_mask = create_bidirectional_mask(
+            config=self.config,
+            inputs_embeds=inputs_embeds,
+            attention_mask=encoder_attention_mask,
+            encoder_hidden_states=encoder_hidden_states,
+        )
+        position_bias = self.position_bias(L, P + L, P, inputs_embeds.device)
+        if attention_mask is not None and attention_mask.dim() == 2:
+            attention_mask = attention_mask[:, -L:].bool()
+            token_mask = attention_mask if token_mask is None else token_mask.bool() & attention_mask
+
+        hidden_states = self.dropout(inputs_embeds)
+        all_hidden = [] if output_hidden_states else None
+        all_attn = [] if output_attentions else None
+        all_cross = [] if output_attentions else None
+        routings = []
+        for layer in self.layers:
+            if all_hidden is not None:
+                all_hidden.append(hidden_states)
+            hidden_states, routing, (self_weights, cross_weights) = layer(
+                hidden_states,
+                attention_mask=causal_mask,
+                position_bias=position_bias,
+                encoder_hidden_states=encoder_hidden_states,
+                encoder_attention_mask=cross_mask,
+                past_key_values=past_key_values,
+                token_mask=token_mask,
+                compute_router_losses=compute_router_losses,
+                **kwargs,
+            )
+            if routing is not None:
+                routings.append(routing)
+            if all_attn is not None:
+                all_attn.append(self_weights)
+                all_cross.append(cross_weights)
+        return self._output(
+            hidden_states,
+            routings,
+            all_hidden,
+            all_attn,
+            output_router_logits,
+            past_key_values=past_key_values if use_cache else None,
+            cross_attentions=tuple(all_cross) if all_cross is not None else None,
+        )
+
+
+def combine_router_losses(*stacks: tuple[tuple[torch.Tensor, torch.Tensor] | None, int]):
+    """(router_losses, number of MoE layers) per stack -> (aux_loss, z_loss) averaged over all MoE layers, as if one
+    list of layers (so the coefficients mean the same for any split between encoder and decoder)."""
+    present = [(losses, n) for losses, n in stacks if losses is not None and n > 0]
+    if not present:
+        return None, None
+    total = sum(n for _, n in present)
+    aux = sum(losses[0] * n for losses, n in present) / total
+    z = sum(losses[1] * n for losses, n in present) / total
+    return aux, z
+
+
+class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
+    config: Seq2SeqMoEConfig
+    config_class = Seq2SeqMoEConfig
+    _no_split_modules = ["Seq2SeqMoEEncoderLayer", "Seq2SeqMoEDecoderLayer"]
+    _supports_flash_attn = False  # the relative position bias is added to the scores; flash kernels take no bias
+
+    def _shift_right(self, labels: torch.LongTensor) -> torch.LongTensor:
+        """labels [B, L] -> decoder_input_ids [B, L]: decoder_start_token_id, then the labels shifted right by one,
+        with -100 (ignored positions) replaced by pad_token_id (as T5)."""
+        start, pad = self.config.decoder_start_token_id, self.config.pad_token_id
+        if start is None or pad is None:
+            raise ValueError(
+                f"Making decoder inputs from labels needs config.decoder_start_token_id and config.pad_token_id "
+                f"(got {start} and {pad}); set them (T5 uses 0 for both) or pass decoder_input_ids."
+            )
+        shifted = labels.new_full(labels.shape, start)
+        shifted[..., 1:] = labels[..., :-1]
+        return shifted.masked_fill(shifted == -100, pad)
+
+
+class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
+    _auto_classes = {"AutoModel": "Seq2SeqMoEModel"}
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+
+    def __init__(self, config: Seq2SeqMoEConfig):
+        super().__init__(config)
+        # no padding_idx: the pad id is also T5's decoder start token, whose embedding must train
+        self.shared = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.encoder = Seq2SeqMoEEncoder(config, self.shared)
+        self.decoder = Seq2SeqMoEDecoder(config, self.shared)
+        self.post_init()
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # both stacks always read the shared embedding; tie_word_embeddings only decides about the LM head
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return dict(self._tied_weights_keys)
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = new_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: Seq2SeqMoEStackOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        decoder_token_mask: torch.Tensor | None = None,
+        compute_router_losses: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqMoEModelOutputWithLosses:
+        """The encoder runs unless `encoder_outputs` is given (as `generate` does after its first step).
+        decoder_token_mask [B, L]: decoder tokens that count in router losses/statistics (besides the mask)."""
+        kwargs.pop("return_dict", None)
+        flags = dict(
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            compute_router_losses=compute_router_losses,
+        )
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(input_ids, attention_mask, inputs_embeds, **flags, **kwargs)
+        elif isinstance(encoder_outputs, (tuple, list)):  # return_dict=False style: (last_hidden_state, ...)
+            encoder_outputs = Seq2SeqMoEStackOutput(last_hidden_state=encoder_outputs[0])
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            token_mask=decoder_token_mask,
+            **flags,
+            **kwargs,
+        )
+        aux_loss, z_loss = combine_router_losses(
+            (getattr(encoder_outputs, "router_losses", None), self.encoder.num_moe_layers),
+            (decoder_outputs.router_losses, self.decoder.num_moe_layers),
+        )
+        return Seq2SeqMoEModelOutputWithLosses(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            decoder_router_logits=decoder_outputs.router_logits,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+            encoder_router_logits=getattr(encoder_outputs, "router_logits", None),
+            encoder_router_expert_ids=getattr(encoder_outputs, "router_expert_ids", None),
+            decoder_router_expert_ids=decoder_outputs.router_expert_ids,
+            encoder_aux_loss=getattr(encoder_outputs, "aux_loss", None),
+            encoder_z_loss=getattr(encoder_outputs, "z_loss", None),
+            decoder_aux_loss=decoder_outputs.aux_loss,
+            decoder_z_loss=decoder_outputs.z_loss,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+        )
+
+
+class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
+    _auto_classes = {"AutoModel": "Seq2SeqMoEModel", "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}
+
+    def __init__(self, config: Seq2SeqMoEConfig):
+        super().__init__(config)
+        self.model = Seq2SeqMoEModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.shared
+
+    def set_input_embeddings(self, new_embeddings):
+        self.model.set_input_embeddings(new_embeddings)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """Used by DataCollatorForSeq2Seq to build decoder_input_ids."""
+        return self._shift_right(labels)
+
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        encoder_outputs: Seq2SeqMoEStackOutput | tuple | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_attentions: bool | None = None,
+        output_hidden_states: bool | None = None,
+        output_router_logits: bool | None = None,
+        **kwargs,
+    ) -> Seq2SeqMoELMOutput:
+        """labels [B, L] (-100: ignored) give the loss and, unless decoder inputs are passed, the decoder inputs
+        (`_shift_right`). Router losses count the tokens the LM loss counts."""
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("return_dict", None)
+        if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
+            decoder_input_ids = self._shift_right(labels)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            output_router_logits=output_router_logits,
+            decoder_token_mask=labels != -100 if labels is not None else None,
+            compute_router_losses=True if labels is not None else None,
+            **kwargs,
+        )
+        hidden = out.last_hidden_state
+        if self.config.scale_decoder_outputs:
+            # T5 v1.0: the LM head is the embedding matrix, whose init std is 1; this keeps logits at unit scale
+            hidden = hidden * self.config.hidden_size**-0.5
+        logits = self.lm_head(hidden)
+
+        loss = None
+        if labels is not None:
+            loss = ForMaskedLMLoss(logits, labels, self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+            if out.aux_loss is not None:
+                config = self.config
+                loss = loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+        return Seq2SeqMoELMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=out.past_key_values,
+            decoder_hidden_states=out.decoder_hidden_states,
+            decoder_attentions=out.decoder_attentions,
+            decoder_router_logits=out.decoder_router_logits,
+            cross_attentions=out.cross_attentions,
+            encoder_last_hidden_state=out.encoder_last_hidden_state,
+            encoder_hidden_states=out.encoder_hidden_states,
+            encoder_attentions=out.encoder_attentions,
+            encoder_router_logits=out.encoder_router_logits,
+            encoder_router_expert_ids=out.encoder_router_expert_ids,
+            decoder_router_expert_ids=out.decoder_router_expert_ids,
+            encoder_aux_loss=out.encoder_aux_loss,
+            encoder_z_loss=out.encoder_z_loss,
+            decoder_aux_loss=out.decoder_aux_loss,
+            decoder_z_loss=out.decoder_z_loss,
+            aux_loss=out.aux_loss,
+            z_loss=out.z_loss,
+        )
+
+
+__all__ = [
+    "Seq2SeqMoEForConditionalGeneration",
+    "Seq2SeqMoEModel",
+    "Seq2SeqMoEPreTrainedModel",
+]
