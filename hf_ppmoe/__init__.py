@@ -3,9 +3,13 @@
 Importing the package registers our configs and models with Transformers' Auto classes.
 """
 
+import torch.distributed
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 from .modeling import GPTMoEConfig, GPTMoEForCausalLM, GPTMoEModel
+
+if torch.distributed.is_available():
+    from . import parallel  # registers the plan styles our configs name ("ppmoe_layer", ...) with Transformers
 
 __version__ = "0.1.0"
 
