@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 from .modeling import GPTMoEConfig, GPTMoEForCausalLM, GPTMoEModel
 
 if torch.distributed.is_available():
-    from . import parallel  # registers the plan styles our configs name ("ppmoe_layer", ...) with Transformers
+    from . import parallel  # registers the plan styles our configs name ("ppmoe_ffn", ...) with Transformers
 
 __version__ = "0.1.0"
 

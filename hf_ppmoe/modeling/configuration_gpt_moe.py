@@ -33,6 +33,7 @@ class GPTMoEConfig(MoEConfig):
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn": "replicated_input",
         **{f"layers.*.{key}": style for key, style in MOE_TP_PLAN.items()},
     }
     base_model_ep_plan = {f"layers.*.{key}": style for key, style in MOE_EP_PLAN.items()}

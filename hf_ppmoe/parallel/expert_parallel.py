@@ -26,9 +26,10 @@ model output) would be counted N times by those sums, so their gradient is scale
 single-device layer up to float summation order.
 
 Two plan styles and one `EPImplementation` put this into Transformers' machinery (our configs name them):
-- "ppmoe_layer" on the FFN slot (`layers.*.mlp`): on an MoE layer, wraps `MoELayer.route` with the above when its
+- "ppmoe_ffn" on the FFN slot (`layers.*.mlp`): on an MoE layer, wraps `MoELayer.route` with the above when its
   experts are PPMoE-split, and gives every rank's router the same random generator in any case (jitter and GShard
-  random routing must draw the same numbers on replicated activations). A dense FFN is left to its own rules.
+  random routing must draw the same numbers on replicated activations). A dense FFN gets "replicated_input"
+  (tensor_parallel.py): one all-reduce of [T, H] each way, the count PPMoE matches.
 - "ppmoe" in `EPImplementationInterface` (`DistributedConfig(ep_implementation="ppmoe")`): global expert ids to
   this rank's local ids with the sentinel for the others. The experts' weights are split by "grouped_gemm".
 - "ppmoe_experts" does the same from a tensor-parallel plan, so `DistributedConfig(tp_size=N)` alone is PPMoE.
@@ -43,10 +44,11 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer
 
 from .comm import copy_to, reduce_from, scale_grad
+from .tensor_parallel import ReplicatedInputParallel
 
 
 class PPMoEExperts(EPImplementation):
-    """Runs this rank's experts on the routes that reach them; the MoE layer ("ppmoe_layer") sums over ranks."""
+    """Runs this rank's experts on the routes that reach them; the MoE layer ("ppmoe_ffn") sums over ranks."""
 
     needs_shared_batch = True
 
@@ -87,12 +89,13 @@ def share_router_generator(gate, group, device_type: str) -> None:
         gate.generator.set_state(state.cpu())
 
 
-class PPMoELayerParallel(TensorParallelLayer):
-    """Plan style "ppmoe_layer" for the FFN slot; see the module docstring."""
+class PPMoEFFNParallel(ReplicatedInputParallel):
+    """Plan style "ppmoe_ffn" for the FFN slot: PPMoE on an MoE layer (see the module docstring); a dense FFN gets
+    "replicated_input", so its colwise projections share one input-gradient all-reduce."""
 
     def install_forward(self, module, mesh):
-        if not callable(getattr(module, "route", None)):  # a dense FFN: its colwise / rowwise rules apply
-            return module
+        if not callable(getattr(module, "route", None)):  # a dense FFN
+            return super().install_forward(module, mesh)
         share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
         module.route = _ppmoe_route(module, module.route)
         return module
@@ -131,5 +134,5 @@ class PPMoEExpertsParallel(TensorParallelLayer):
 
 
 EPImplementationInterface.register("ppmoe", PPMoEExperts)
-ALL_PARALLEL_STYLES.register("ppmoe_layer", PPMoELayerParallel())
+ALL_PARALLEL_STYLES.register("ppmoe_ffn", PPMoEFFNParallel())
 ALL_PARALLEL_STYLES.register("ppmoe_experts", PPMoEExpertsParallel())

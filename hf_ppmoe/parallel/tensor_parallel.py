@@ -10,13 +10,34 @@ sub-mesh of a (pp, tp) mesh for TP x PP, a trimmed pipeline stage, or a model yo
     embeddings / head   vocabulary split (embedding_rowwise / colwise_gather_output)
 
 Norms, routers and learned position embeddings stay whole (replicated) on every rank.
+
+Transformers' colwise rule turns its input into a replicated DTensor itself, so q, k and v (or gate and up) each
+all-reduce their input gradient: three (two) all-reduces of [T, H] in backward where Megatron has one. The
+"replicated_input" rule on the attention module (and "ppmoe_ffn" on the FFN slot, expert_parallel.py) makes the
+module's input that DTensor once, so autograd sums the partial gradients first and one all-reduce remains.
 """
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from transformers import DistributedConfig
-from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+from transformers.distributed.tensor_parallel import TensorParallelLayer, apply_tensor_parallelism
+
+
+class ReplicatedInputParallel(TensorParallelLayer):
+    """Plan style "replicated_input": the module's first argument enters the tensor-parallel region once, as a
+    replicated DTensor (in training; inference keeps Transformers' local fast paths)."""
+
+    def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
+        if not args or isinstance(args[0], DTensor) or not (torch.is_grad_enabled() and args[0].requires_grad):
+            return args, kwargs
+        return (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:]), kwargs
+
+
+ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
 
 
 def _mesh(group_or_mesh, model) -> DeviceMesh:
