@@ -83,6 +83,7 @@ class GPTMoEStage(nn.Module):
                 base.embed_positions = _NoPositions()
         if not is_last:
             base.norm, model.lm_head = nn.Identity(), None
+        model.init_parallel_plans()  # the plans now name only what this stage holds
         self.model, self.is_first, self.is_last = model, is_first, is_last
         self.router_loss_share = sum(isinstance(layer.mlp, MoELayer) for layer in base.layers) / max(
             1, sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
