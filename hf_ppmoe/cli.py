@@ -1,4 +1,4 @@
-"""`hf-ppmoe` command line: `hf-ppmoe demo [--steps N ...]`."""
+"""`hf-ppmoe` command line: `hf-ppmoe demo [--steps N ...]`, `hf-ppmoe upcycle|merge|import SRC OUT [...]`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,18 @@ from transformers import HfArgumentParser
 
 COMMANDS = {
     "demo": "Train a small GPT-MoE on the built-in corpus, show expert load, generate text.",
+    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2) into a GPT-MoE: hf-ppmoe upcycle SRC OUT.",
+    "merge": "Merge a GPT-MoE's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
+    "import": "Import an MoE checkpoint (Mixtral) into GPT-MoE: hf-ppmoe import SRC OUT.",
 }
+
+
+def _positional(rest: list[str], names: tuple[str, ...]) -> list[str]:
+    """`SRC OUT --opt ...` -> `--source SRC --output OUT --opt ...` (HfArgumentParser has no positional arguments)."""
+    leading = []
+    while rest and len(leading) < len(names) and not rest[0].startswith("-"):
+        leading.append(rest.pop(0))
+    return [arg for name, value in zip(names, leading) for arg in (f"--{name}", value)] + rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +34,22 @@ def main(argv: list[str] | None = None) -> int:
 
         (args,) = HfArgumentParser(DemoArguments, prog="hf-ppmoe demo").parse_args_into_dataclasses(rest)
         run_demo(args)
+        return 0
+
+    from .conversion.commands import COMMANDS as CONVERSIONS
+    from .conversion.mapping import ConversionError
+
+    arguments, run, description = CONVERSIONS[command]
+    parser = HfArgumentParser(
+        arguments, prog=f"hf-ppmoe {command}", usage=f"hf-ppmoe {command} SRC OUT [options]", description=description
+    )
+    (args,) = parser.parse_args_into_dataclasses(_positional(rest, ("source", "output")))
+    try:
+        out = run(args)
+    except (ConversionError, FileExistsError) as err:
+        print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
+        return 1
+    print(f"wrote {out}")
     return 0
 
 

@@ -92,6 +92,17 @@ def write_remote_code(folder: str | os.PathLike, module_names: list[str]) -> lis
     return [f"{_flat_name(n)}.py" for n in written]
 
 
+def add_remote_code(folder: str | os.PathLike, model_class: type, config) -> None:
+    """Point `config.auto_map` at `model_class` (and its `_auto_classes`) and write the flattened modules they need
+    into `folder`, so the checkpoint there loads with `trust_remote_code=True` where hf_ppmoe is not installed."""
+    model_module, config_module = model_class.__module__, type(config).__module__
+    config.auto_map = {
+        "AutoConfig": f"{_flat_name(config_module)}.{type(config).__name__}",
+        **{auto: f"{_flat_name(model_module)}.{cls}" for auto, cls in model_class._auto_classes.items()},
+    }
+    write_remote_code(folder, [model_module, config_module])
+
+
 class MoEPreTrainedModel(PreTrainedModel):
     """Base of both families: MoE weight init and an all-or-nothing, self-contained `save_pretrained`."""
 
@@ -161,14 +172,8 @@ class MoEPreTrainedModel(PreTrainedModel):
             kwargs["repo_id"] = target.name
         target.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
-        model_module = type(self).__module__
-        config_module = type(self.config).__module__
-        self.config.auto_map = {
-            "AutoConfig": f"{_flat_name(config_module)}.{type(self.config).__name__}",
-            **{auto: f"{_flat_name(model_module)}.{cls}" for auto, cls in self._auto_classes.items()},
-        }
         try:
-            write_remote_code(staging, [model_module, config_module])
+            add_remote_code(staging, type(self), self.config)
             result = super().save_pretrained(staging, *args, **kwargs)
             target.mkdir(exist_ok=True)
             new_files = {p.name for p in staging.iterdir()}

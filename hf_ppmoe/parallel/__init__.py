@@ -6,6 +6,8 @@ imports torch.distributed).
     parallelize(model, mesh["tp"])          tensor parallelism + PPMoE expert parallelism over a TP group
     Pipeline(model, mesh["pp"], num_microbatches=4, schedule="1f1b", tp=mesh["tp"]).step(ids, labels, mask)
 
+`hf_ppmoe.parallel.megatron` (imported on its own) is the Megatron-LM backend through Accelerate.
+
 Transformers' own entry points use the same rules: `from_pretrained(path, distributed_config=DistributedConfig(
 tp_size=N))` (PPMoE from the tensor-parallel plan) or `DistributedConfig(tp_size=N, ep_size=N,
 ep_implementation="ppmoe")` (through Transformers' expert-parallel dispatch).

@@ -6,6 +6,9 @@ The built-in corpus is the Python language reference that every CPython installa
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -47,3 +50,35 @@ def pack(texts: list[str], tokenizer, block_size: int) -> torch.Tensor:
     if n == 0:
         raise ValueError(f"The corpus has {len(ids)} tokens, fewer than one block of block_size={block_size}.")
     return torch.tensor(ids[: n * block_size]).view(n, block_size)
+
+
+def read_text_files(paths: list[str], text_column: str = "text") -> list[str]:
+    """Documents from .txt files (blank-line separated blocks) and .jsonl files (one object per line)."""
+    docs: list[str] = []
+    for path in paths:
+        content = Path(path).read_text(encoding="utf-8")
+        if path.endswith((".jsonl", ".json")):
+            for number, line in enumerate(content.splitlines(), 1):
+                if not line.strip():
+                    continue
+                record = json.loads(line)
+                if text_column not in record:
+                    raise ValueError(f"{path}:{number} has no {text_column!r} field (fields: {sorted(record)}); set --text_column.")
+                docs.append(str(record[text_column]))
+        else:
+            docs.extend(block.strip() for block in content.split("\n\n") if block.strip())
+    return docs
+
+
+def read_dataset(name: str, config_name: str | None, split: str, text_column: str) -> list[str]:
+    """Documents of a `datasets` dataset: a folder written by `save_to_disk`, or a name in the local cache."""
+    import datasets
+
+    if Path(name).is_dir():
+        data = datasets.load_from_disk(name)
+        data = data[split] if isinstance(data, datasets.DatasetDict) else data
+    else:
+        data = datasets.load_dataset(name, config_name, split=split)
+    if text_column not in data.column_names:
+        raise ValueError(f"Dataset {name} has no column {text_column!r} (columns: {data.column_names}); set --text_column.")
+    return [str(t) for t in data[text_column]]

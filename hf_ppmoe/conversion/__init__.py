@@ -1,0 +1,30 @@
+"""Checkpoint converters (see DESIGN.md, "Conversion"): dense -> MoE (`upcycle`), MoE -> dense (`merge_experts`),
+MoE imports (`import_moe`); `megatron.py`: HF <-> Megatron-LM weights.
+
+Each conversion is a chain of declarative, reversible weight-name tables (`mapping.py`) applied lazily to a source
+read with `safe_open`, checked whole on meta tensors, and written tensor by tensor into a temporary folder that is
+renamed into place at the end.
+"""
+
+from .architectures import ARCHITECTURES, Architecture, get_architecture
+from .mapping import ConversionError, Mapping, Rule
+from .merge import MERGE_METHODS, expert_usage, merge_experts
+from .upcycle import ROUTER_INITS, expert_output_scale, experts_mapping, gate_renormalizes, import_moe, upcycle
+
+__all__ = [
+    "ARCHITECTURES",
+    "Architecture",
+    "ConversionError",
+    "MERGE_METHODS",
+    "Mapping",
+    "ROUTER_INITS",
+    "Rule",
+    "expert_output_scale",
+    "expert_usage",
+    "experts_mapping",
+    "gate_renormalizes",
+    "get_architecture",
+    "import_moe",
+    "merge_experts",
+    "upcycle",
+]

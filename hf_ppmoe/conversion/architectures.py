@@ -1,0 +1,251 @@
+"""Supported source architectures: how each config becomes a `GPTMoEConfig`, and the table of weight names between
+its checkpoints and GPT-MoE's.
+
+Each table is declarative and reversible (see mapping.py): upcycling applies it forward, merging applies its inverse.
+GPT-MoE names: model.embed_tokens, model.embed_positions (learned positions), model.layers.{i}.{input_layernorm,
+self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.*}, model.norm, lm_head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .mapping import Chain, ConversionError, Mapping, Rule, Split, Stack, Concat, Transpose, rename
+
+
+@dataclass(frozen=True)
+class Architecture:
+    model_type: str
+    dense_class: str  # the Transformers class of the source (of its dense twin for an MoE source)
+    gpt_moe_fields: Callable  # source config -> GPTMoEConfig keyword arguments
+    rules: Callable  # source config -> list[Rule], source names -> GPT-MoE names
+    ffn_module: str  # the dense FFN module of layer {i} (its input is what a router sees)
+    base_prefix: str = "model."  # some Hub checkpoints were saved from the base model, without this prefix
+    ignore: tuple[str, ...] = ()  # source tensors that hold no weights (old checkpoints' buffers)
+    moe_class: str | None = None  # set for MoE sources, which are imported rather than upcycled
+    dense_twin: Callable | None = None  # MoE source config -> the config of its dense architecture
+
+    def mapping(self, config) -> Mapping:
+        return Mapping(self.rules(config), num_layers=config.num_hidden_layers, num_experts=_experts(config), ignore=self.ignore)
+
+
+def _experts(config) -> int:
+    return getattr(config, "num_local_experts", 0)
+
+
+def _common_fields(c) -> dict:
+    return dict(
+        vocab_size=c.vocab_size,
+        num_hidden_layers=c.num_hidden_layers,
+        initializer_range=c.initializer_range,
+        tie_word_embeddings=c.tie_word_embeddings,
+        use_cache=c.use_cache,
+        pad_token_id=c.pad_token_id,
+        bos_token_id=c.bos_token_id,
+        eos_token_id=c.eos_token_id,
+        dtype=c.dtype,
+    )
+
+
+# --------------------------------------------------------------------------------------------------- GPT-2
+
+
+def _gpt2_fields(c) -> dict:
+    unsupported = {
+        "scale_attn_weights": (c.scale_attn_weights, True),
+        "scale_attn_by_inverse_layer_idx": (c.scale_attn_by_inverse_layer_idx, False),
+        "add_cross_attention": (c.add_cross_attention, False),
+    }
+    for name, (value, supported) in unsupported.items():
+        if value != supported:
+            raise ConversionError(f"GPT-2 with {name}={value} is not supported: GPT-MoE's attention needs {name}={supported}.")
+    return dict(
+        _common_fields(c),
+        hidden_size=c.n_embd,
+        intermediate_size=c.n_inner or 4 * c.n_embd,
+        num_attention_heads=c.n_head,
+        num_key_value_heads=c.n_head,
+        max_position_embeddings=c.n_positions,
+        position_embedding_type="learned",
+        norm_type="layernorm",
+        layer_norm_eps=c.layer_norm_epsilon,
+        gated_mlp=False,
+        hidden_act=c.activation_function,
+        attention_bias=True,
+        attention_output_bias=True,
+        mlp_bias=True,
+        attention_dropout=c.attn_pdrop,
+        hidden_dropout=c.resid_pdrop,  # GPT-MoE has one dropout for embeddings and residuals; GPT-2's resid_pdrop
+    )
+
+
+def _gpt2_rules(c) -> list[Rule]:
+    h, m = "transformer.h.{i}.", "model.layers.{i}."
+    qkv = tuple(f"{m}self_attn.{p}_proj" for p in "qkv")
+    rules = [
+        rename("transformer.wte.weight", "model.embed_tokens.weight"),
+        rename("transformer.wpe.weight", "model.embed_positions.weight"),
+        # Conv1D stores [in, out]; c_attn fuses q, k, v along out
+        Rule((h + "attn.c_attn.weight",), tuple(f"{n}.weight" for n in qkv), Chain(Transpose(), Split(0, 3))),
+        Rule((h + "attn.c_attn.bias",), tuple(f"{n}.bias" for n in qkv), Split(0, 3)),
+        rename(h + "attn.c_proj.weight", m + "self_attn.o_proj.weight", Transpose()),
+        rename(h + "attn.c_proj.bias", m + "self_attn.o_proj.bias"),
+        rename(h + "mlp.c_fc.weight", m + "mlp.up_proj.weight", Transpose()),
+        rename(h + "mlp.c_fc.bias", m + "mlp.up_proj.bias"),
+        rename(h + "mlp.c_proj.weight", m + "mlp.down_proj.weight", Transpose()),
+        rename(h + "mlp.c_proj.bias", m + "mlp.down_proj.bias"),
+    ]
+    for gpt2, ours in (("h.{i}.ln_1", "layers.{i}.input_layernorm"), ("h.{i}.ln_2", "layers.{i}.post_attention_layernorm"), ("ln_f", "norm")):
+        rules += [rename(f"transformer.{gpt2}.{p}", f"model.{ours}.{p}") for p in ("weight", "bias")]
+    if not c.tie_word_embeddings:
+        rules.append(rename("lm_head.weight", "lm_head.weight"))
+    return rules
+
+
+# ------------------------------------------------------------------------------- Llama / Mistral / Qwen2 / Mixtral
+
+
+def _rotary_fields(c, *, attention_bias: bool, attention_output_bias: bool, mlp_bias: bool, sliding_window) -> dict:
+    return dict(
+        _common_fields(c),
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None),
+        max_position_embeddings=c.max_position_embeddings,
+        rope_parameters=dict(c.rope_parameters) if c.rope_parameters else None,
+        position_embedding_type="rotary",
+        norm_type="rmsnorm",
+        layer_norm_eps=c.rms_norm_eps,
+        gated_mlp=True,
+        hidden_act=c.hidden_act,
+        attention_bias=attention_bias,
+        attention_output_bias=attention_output_bias,
+        mlp_bias=mlp_bias,
+        attention_dropout=c.attention_dropout,
+        sliding_window=sliding_window,
+    )
+
+
+def _llama_names(c, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, dense_mlp: bool = True) -> list[str]:
+    """Llama-family checkpoints already use GPT-MoE's names: the table is the list of names to expect."""
+    m = "model.layers.{i}."
+    names = ["model.embed_tokens.weight", "model.norm.weight", m + "input_layernorm.weight", m + "post_attention_layernorm.weight"]
+    names += [f"{m}self_attn.{p}_proj.weight" for p in "qkvo"]
+    names += [f"{m}self_attn.{p}_proj.bias" for p in "qkv" if qkv_bias] + [m + "self_attn.o_proj.bias"] * o_bias
+    if dense_mlp:
+        names += [f"{m}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        names += [f"{m}mlp.{p}_proj.bias" for p in ("gate", "up", "down") if mlp_bias]
+    if not c.tie_word_embeddings:
+        names.append("lm_head.weight")
+    return names
+
+
+def _llama_fields(c):
+    return _rotary_fields(
+        c, attention_bias=c.attention_bias, attention_output_bias=c.attention_bias, mlp_bias=c.mlp_bias, sliding_window=None
+    )
+
+
+def _llama_rules(c):
+    return [rename(n, n) for n in _llama_names(c, qkv_bias=c.attention_bias, o_bias=c.attention_bias, mlp_bias=c.mlp_bias)]
+
+
+def _mistral_fields(c):
+    return _rotary_fields(c, attention_bias=False, attention_output_bias=False, mlp_bias=False, sliding_window=c.sliding_window)
+
+
+def _mistral_rules(c):
+    return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False)]
+
+
+def _qwen2_fields(c):
+    kinds = set(c.layer_types)
+    if len(kinds) > 1:
+        raise ConversionError(
+            f"Qwen2 with sliding-window attention on some layers only (layer_types={c.layer_types}) is not supported: "
+            "GPT-MoE applies one sliding_window to every layer."
+        )
+    window = c.sliding_window if kinds == {"sliding_attention"} else None
+    return _rotary_fields(c, attention_bias=True, attention_output_bias=False, mlp_bias=False, sliding_window=window)
+
+
+def _qwen2_rules(c):
+    return [rename(n, n) for n in _llama_names(c, qkv_bias=True, o_bias=False, mlp_bias=False)]
+
+
+def _mixtral_fields(c):
+    return dict(
+        _mistral_fields(c),
+        num_experts=c.num_local_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        router_type="topk",
+        norm_topk_prob=True,  # Mixtral always renormalises its top-k weights
+        capacity_factor=None,
+        eval_capacity_factor=None,
+        moe_layer_frequency=1,
+        router_jitter_noise=c.router_jitter_noise,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        router_z_loss_coef=0.0,
+        output_router_logits=c.output_router_logits,
+    )
+
+
+def _mixtral_rules(c):
+    s, m = "model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."
+    return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False, dense_mlp=False)] + [
+        rename(s + "gate.weight", m + "gate.weight"),
+        # per-expert nn.Linear w1 (gate), w3 (up) [I, H] -> gate_up_proj [E, H, 2I]; w2 (down) [H, I] -> down_proj [E, I, H]
+        Rule(
+            (s + "experts.{e}.w1.weight", s + "experts.{e}.w3.weight"),
+            (m + "experts.gate_up_proj",),
+            Chain(Stack(2), Concat(1, 2), Transpose()),
+        ),
+        Rule((s + "experts.{e}.w2.weight",), (m + "experts.down_proj",), Chain(Stack(1), Transpose())),
+    ]
+
+
+def _mixtral_dense_twin(c):
+    from transformers import MistralConfig
+
+    shared = (
+        "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+        "hidden_act max_position_embeddings initializer_range rms_norm_eps use_cache pad_token_id bos_token_id "
+        "eos_token_id tie_word_embeddings rope_parameters sliding_window attention_dropout dtype"
+    ).split()
+    twin = MistralConfig(**{name: getattr(c, name) for name in shared})
+    twin.architectures = ["MistralForCausalLM"]
+    return twin
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    a.model_type: a
+    for a in [
+        Architecture("gpt2", "GPT2LMHeadModel", _gpt2_fields, _gpt2_rules, "transformer.h.{i}.mlp", "transformer.",
+                     ignore=(r"\.attn\.(masked_)?bias$",)),
+        Architecture("llama", "LlamaForCausalLM", _llama_fields, _llama_rules, "model.layers.{i}.mlp", ignore=(r"rotary_emb\.inv_freq$",)),
+        Architecture("mistral", "MistralForCausalLM", _mistral_fields, _mistral_rules, "model.layers.{i}.mlp"),
+        Architecture("qwen2", "Qwen2ForCausalLM", _qwen2_fields, _qwen2_rules, "model.layers.{i}.mlp"),
+        Architecture("mixtral", "MistralForCausalLM", _mixtral_fields, _mixtral_rules, "model.layers.{i}.block_sparse_moe",
+                     moe_class="MixtralForCausalLM", dense_twin=_mixtral_dense_twin),
+    ]
+}
+
+
+def supported() -> str:
+    dense = ", ".join(f"{a.model_type} ({a.dense_class})" for a in ARCHITECTURES.values() if not a.moe_class)
+    moe = ", ".join(f"{a.model_type} ({a.moe_class})" for a in ARCHITECTURES.values() if a.moe_class)
+    return f"dense sources (upcycle, merge_experts): {dense}; MoE sources (import_moe): {moe}"
+
+
+def get_architecture(model_type: str | None, *, moe: bool) -> Architecture:
+    arch = ARCHITECTURES.get(model_type)
+    if arch is None or bool(arch.moe_class) != moe:
+        role = "MoE source to import" if moe else "dense source to upcycle"
+        if arch is not None:
+            hint = "use import_moe / `hf-ppmoe import`" if arch.moe_class else "use upcycle / `hf-ppmoe upcycle`"
+            raise ConversionError(f"{model_type!r} is not a {role}; {hint}. Supported: {supported()}.")
+        raise ConversionError(f"Unsupported architecture {model_type!r} as a {role}. Supported: {supported()}.")
+    return arch

@@ -1,0 +1,108 @@
+"""`hf-ppmoe upcycle SRC OUT`, `hf-ppmoe merge SRC OUT`, `hf-ppmoe import SRC OUT`: arguments and runners."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .merge import MERGE_METHODS, merge_experts
+from .upcycle import ROUTER_INITS, import_moe, upcycle
+
+
+def _help(text: str) -> dict:
+    return {"help": text}
+
+
+@dataclass
+class _Paths:
+    source: str = field(metadata=_help("SRC: model folder (or Hub id) to convert."))
+    output: str = field(metadata=_help("OUT: output folder; must not exist yet unless --overwrite."))
+
+
+@dataclass
+class _Output:
+    max_shard_size: str = field(default="5GB", metadata=_help("Largest safetensors shard, e.g. 5GB, 500MB."))
+    overwrite: bool = field(default=False, metadata=_help("Replace OUT if it exists (only once the conversion succeeded)."))
+
+
+@dataclass
+class UpcycleArguments(_Output, _Paths):
+    num_experts: int = field(default=8, metadata=_help("Experts per MoE layer."))
+    num_experts_per_tok: int | None = field(default=None, metadata=_help("Routes per token (default: 1 for switch, else 2)."))
+    router_type: str = field(default="topk", metadata=_help("Gate: topk, switch, gshard, prototype, or a registered one."))
+    moe_layer_frequency: int = field(default=2, metadata=_help("Every n-th FFN becomes MoE (1: all)."))
+    moe_layers: list[int] | None = field(default=None, metadata=_help("Explicit FFN indices to make MoE (overrides the frequency)."))
+    router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
+    sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
+    sample_file: str | None = field(default=None, metadata=_help("router_init=hidden: a file with one text per expert, one per line."))
+    noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
+    seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
+    capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
+    norm_topk_prob: bool = field(default=True, metadata=_help("topk gate: renormalize the top-k weights."))
+
+
+@dataclass
+class MergeArguments(_Output, _Paths):
+    method: str = field(default="mean", metadata=_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."))
+    expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
+    sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
+    sample_file: str | None = field(default=None, metadata=_help("method=usage: a file of texts, one per line."))
+
+
+@dataclass
+class ImportArguments(_Output, _Paths):
+    pass
+
+
+def _texts(args) -> list[str] | None:
+    texts = list(args.sample_texts or [])
+    if args.sample_file:
+        texts += [line for line in Path(args.sample_file).read_text(encoding="utf-8").splitlines() if line.strip()]
+    return texts or None
+
+
+def run_upcycle(args: UpcycleArguments) -> Path:
+    return upcycle(
+        args.source,
+        num_experts=args.num_experts,
+        num_experts_per_tok=args.num_experts_per_tok,
+        router_type=args.router_type,
+        moe_layer_frequency=args.moe_layer_frequency,
+        moe_layers=args.moe_layers,
+        router_init=args.router_init,
+        sample_texts=_texts(args),
+        noise_std=args.noise_std,
+        seed=args.seed,
+        capacity_factor=args.capacity_factor,
+        norm_topk_prob=args.norm_topk_prob,
+        save_directory=args.output,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=True,
+    )
+
+
+def run_merge(args: MergeArguments) -> Path:
+    return merge_experts(
+        args.source,
+        method=args.method,
+        expert=args.expert,
+        sample_texts=_texts(args),
+        save_directory=args.output,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=True,
+    )
+
+
+def run_import(args: ImportArguments) -> Path:
+    return import_moe(
+        args.source, save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
+    )
+
+
+COMMANDS = {
+    "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2) into a GPT-MoE."),
+    "merge": (MergeArguments, run_merge, "Merge a GPT-MoE's experts back into its dense architecture."),
+    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral) into GPT-MoE."),
+}

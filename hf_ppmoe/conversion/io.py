@@ -1,0 +1,267 @@
+"""Reading checkpoints lazily and writing converted ones as they are computed.
+
+- `open_checkpoint` reads a model object or a folder of safetensors (as written by Transformers) into a `Checkpoint`:
+  its config and a `TensorSource` that opens tensors with `safe_open` only when asked for.
+- `write_safetensors` writes sharded safetensors one tensor at a time: shard sizes and file headers are planned from
+  shapes alone (a meta pass), then each tensor is computed, written and freed, so a conversion holds about one
+  tensor of the output in memory, never a whole copy.
+- `atomic_folder` builds the output in a temporary folder beside the target and renames it into place at the end; a
+  conversion that fails half-way leaves no output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import struct
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .mapping import ConversionError, DictSource, TensorSource, shape_str
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# files of a source folder that are not carried into the output: weights, the config (rewritten), code
+_NOT_CARRIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".py", ".index.json")
+
+
+class SafetensorsSource(TensorSource):
+    """The tensors of a folder's `model.safetensors` or `model.safetensors.index.json` shards, read lazily."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        index = folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+        elif (folder / "model.safetensors").is_file():
+            weight_map = None
+        else:
+            found = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
+            raise ConversionError(
+                f"{folder} has no model.safetensors or model.safetensors.index.json (found: {found}). Only safetensors "
+                "checkpoints are read; re-save the model with Transformers' save_pretrained to get one."
+            )
+        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        self._handles, self._file_of, self._meta = {}, {}, {}
+        for name in files:
+            path = folder / name
+            try:
+                handle = safe_open(path, framework="pt")
+                for key in handle.keys():
+                    sl = handle.get_slice(key)
+                    self._meta[key] = (tuple(sl.get_shape()), TORCH_DTYPES[sl.get_dtype()])
+                    self._file_of[key] = name
+            except (SafetensorError, OSError, KeyError) as err:
+                raise ConversionError(f"cannot read {path}: {err}. The file is corrupt or not a safetensors file.") from err
+            self._handles[name] = handle
+        if weight_map:
+            absent = sorted(k for k, f in weight_map.items() if self._file_of.get(k) != f)
+            if absent:
+                raise ConversionError(
+                    f"{index} lists tensor(s) its shards do not hold: {', '.join(absent[:8])}. The checkpoint is incomplete."
+                )
+
+    def keys(self):
+        return list(self._meta)
+
+    def get(self, name):
+        try:
+            return self._handles[self._file_of[name]].get_tensor(name)
+        except SafetensorError as err:
+            raise ConversionError(f"cannot read tensor {name} from {self.folder / self._file_of[name]}: {err}") from err
+
+    def meta(self):
+        return DictSource(
+            {k: torch.empty(shape, dtype=dtype, device="meta") for k, (shape, dtype) in self._meta.items()},
+            str(self.folder),
+        )
+
+    def describe(self, name):
+        shape, _ = self._meta[name]
+        return f"{name} [{', '.join(map(str, shape))}] in {self.folder / self._file_of[name]}"
+
+
+@dataclass
+class Checkpoint:
+    """A source to convert: its config, its tensors (lazy), and where it came from (a folder or a live model)."""
+
+    config: object
+    tensors: TensorSource
+    folder: Path | None = None
+    model: torch.nn.Module | None = None
+
+
+def read_config_dict(folder: Path) -> dict:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ConversionError(f"{folder} has no config.json; point to a folder written by save_pretrained.")
+    return json.loads(path.read_text())
+
+
+def resolve_folder(path: str | os.PathLike) -> Path:
+    """A local folder, or a Hub repository id downloaded to the local cache (config, safetensors, tokenizer)."""
+    folder = Path(path)
+    if folder.is_dir():
+        return folder
+    if folder.exists():
+        raise ConversionError(f"{folder} is a file; point to the model's folder.")
+    if folder.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") > 1:
+        raise ConversionError(f"no such folder: {folder}")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(path), allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]))
+    except Exception as err:  # offline, unknown repo, no access: all mean "not found"
+        raise ConversionError(f"{path} is neither a local folder nor a Hub repository that can be downloaded ({err}).") from err
+
+
+def model_tensors(model: torch.nn.Module) -> TensorSource:
+    """A live model's weights under the names `save_pretrained` would write (tied copies and Transformers' load-time
+    renamings undone, e.g. Mixtral's fused experts back to block_sparse_moe.experts.{e}.w1)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    state = model.state_dict(keep_vars=True)
+    seen, tensors = set(), {}
+    for name, tensor in state.items():
+        if id(tensor) in seen:  # a tied weight (lm_head = embed_tokens): saved once, like save_pretrained does
+            continue
+        seen.add(id(tensor))
+        tensors[name] = tensor.detach()
+    return DictSource(dict(revert_weight_conversion(model, tensors)), f"the {type(model).__name__} object")
+
+
+def open_checkpoint(src, config_loader: Callable[[Path], object]) -> Checkpoint:
+    if isinstance(src, torch.nn.Module):
+        if not hasattr(src, "config"):
+            raise ConversionError(f"expected a Transformers model or a folder, got a {type(src).__name__} without a config")
+        return Checkpoint(src.config, model_tensors(src), model=src)
+    folder = resolve_folder(src)
+    config = config_loader(folder)
+    return Checkpoint(config, SafetensorsSource(folder), folder=folder)
+
+
+def parse_size(size: int | str) -> int:
+    """5000000, "5GB", "500MB", "2GiB" -> bytes."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper()
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for unit, factor in units.items():
+        if text.endswith(unit):
+            return int(float(text[: -len(unit)]) * factor)
+    return int(text)
+
+
+def write_safetensors(
+    folder: Path,
+    plan: list[tuple[str, torch.Size, torch.dtype]],
+    get: Callable[[str], torch.Tensor],
+    max_shard_size: int | str = "5GB",
+    progress: bool = False,
+) -> None:
+    """Write `plan` (name, shape, dtype) as sharded safetensors in `folder`, computing each tensor with `get` just
+    before its bytes are written. Shards are cut by size as Transformers does (`model-00001-of-0000N.safetensors` and
+    an index; a single `model.safetensors` when everything fits)."""
+    limit = parse_size(max_shard_size)
+    shards: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
+    size = 0
+    for name, shape, dtype in plan:
+        nbytes = math.prod(shape) * dtype.itemsize
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape, dtype))
+        size += nbytes
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(plan), desc="writing tensors", unit="tensor")
+    weight_map, total = {}, 0
+    for filename, shard in zip(names, shards):
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for name, shape, dtype in shard:
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+            weight_map[name] = filename
+        total += offset
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+        with open(folder / filename, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)))
+            f.write(encoded)
+            for name, shape, dtype in shard:
+                tensor = get(name)
+                if tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                    raise ConversionError(f"{name}: computed {shape_str(tensor)} {tensor.dtype}, planned {list(shape)} {dtype}")
+                f.write(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().data)
+                del tensor
+                if bar is not None:
+                    bar.update()
+    if bar is not None:
+        bar.close()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+@contextmanager
+def atomic_folder(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary folder beside `target`; on success it becomes `target`, on any failure it is deleted."""
+    target = Path(target)
+    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
+        if not overwrite:
+            raise FileExistsError(f"{target} already exists; choose a new output folder or pass overwrite=True.")
+        if not target.is_dir():
+            raise FileExistsError(f"{target} is a file; the output must be a folder.")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.converting-", dir=target.parent))
+    try:
+        yield staging
+        if target.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, old / "old")
+            os.replace(staging, target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def carry_side_files(checkpoint: Checkpoint, folder: Path, tokenizer=None) -> None:
+    """Copy what makes the output folder complete: tokenizer files, generation config, license, model card."""
+    if checkpoint.folder is not None:
+        for item in checkpoint.folder.iterdir():
+            if item.is_file() and not item.name.startswith(".") and item.name != "config.json" and not item.name.endswith(_NOT_CARRIED):
+                shutil.copy2(item, folder / item.name)
+    elif getattr(checkpoint.model, "generation_config", None) is not None:
+        checkpoint.model.generation_config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)

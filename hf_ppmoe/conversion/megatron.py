@@ -1,0 +1,619 @@
+"""GPT-MoE checkpoints <-> Megatron-LM checkpoints of the megatron-core GPTModel that `hf_ppmoe.parallel.megatron`
+builds (local layer spec, experts on the tensor-parallel group). Needs torch only, not megatron-core.
+
+Legend: L layers, H hidden, I FFN inner size, E experts, V vocabulary (Vp padded), nh heads, ng KV groups, d head dim.
+
+Two declarative, reversible tables drive both directions (the round trip is bit-exact):
+- `rules(config, Vp)`: our weight names <-> megatron-core names of the whole, unsharded model, each with an exact op:
+      model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
+          InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
+      model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  StackRows: [gate; up]
+      model.layers.{i}.mlp.experts.gate_up_proj [E, H, 2I] (input-first, [gate | up])
+          -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   SplitExperts: W[e].T
+      model.embed_tokens.weight [V, H] -> embedding.word_embeddings.weight [Vp, H]        PadRows: zero rows
+- `SHARDING`: how each megatron-core tensor is split over tensor-parallel ranks: column (dim 0), gated fc1 (rank r
+  holds [gate_r; up_r], not a slice of [gate; up]), row (dim 1), replicated (checked equal when merging), or expert
+  (expert e on rank e // (E / TP) as local expert e % (E / TP), unsplit: expert_tensor_parallel_size = 1).
+  Pipeline stages hold contiguous blocks of L / PP layers, renumbered from 0; the embedding lives on the first stage,
+  the final norm and output layer on the last (with tied embeddings and PP > 1, the last stage keeps a copy).
+
+On disk: Megatron-LM's legacy "torch" format, which its `load_checkpoint` reads (and auto-detects):
+    DIR/latest_checkpointed_iteration.txt                       "release" (or the iteration)
+    DIR/release/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
+        {"args": Namespace(model arguments), "checkpoint_version": 3.0, "iteration": 0, "model": GPTModel.state_dict()}
+_pp is present when PP > 1, _ep when the expert-parallel size (= TP for MoE models) is > 1, and ep rank = tp rank.
+Output is written to a temporary folder and renamed into place. Command line:
+    python -m hf_ppmoe.conversion.megatron to-megatron HF_DIR MEGATRON_DIR --tp 2 --pp 2
+    python -m hf_ppmoe.conversion.megatron to-hf MEGATRON_DIR HF_DIR --config HF_DIR_OR_CONFIG_JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class ConversionError(ValueError):
+    """A checkpoint cannot be converted; the message names the tensors, files or settings at fault."""
+
+
+def _shape(t) -> str:
+    return "[" + ", ".join(map(str, t.shape)) + "]"
+
+
+# ----------------------------------------------------------------------------------------------------------- ops
+
+
+class Op:
+    """HF tensors -> megatron-core tensors (`forward`) and back (`backward`), exactly."""
+
+    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(xs)
+
+    def backward(self, ys: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(ys)
+
+
+SAME = Op()
+
+
+@dataclass(frozen=True)
+class PadRows(Op):
+    """[V, H] -> [Vp, H] with zero rows (Megatron pads the vocabulary to a multiple of 128 * TP)."""
+
+    rows: int
+    padded_rows: int
+
+    def forward(self, xs):
+        (x,) = xs
+        return [torch.cat([x, x.new_zeros(self.padded_rows - self.rows, *x.shape[1:])])]
+
+    def backward(self, ys):
+        (y,) = ys
+        if y.shape[0] < self.rows:
+            raise ConversionError(f"vocabulary tensor {_shape(y)} has fewer than vocab_size={self.rows} rows")
+        return [y[: self.rows]]
+
+
+@dataclass(frozen=True)
+class InterleaveQKV(Op):
+    """q [nh*d, ...], k, v [ng*d, ...] -> qkv [ng*(nh/ng + 2)*d, ...]: per KV group g, its q heads, k_g, v_g."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    def forward(self, xs):
+        q, k, v = xs
+        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, q.shape[1:]
+        qkv = torch.cat([q.reshape(g, r * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+        return [qkv.reshape(g * (r + 2) * d, *tail)]
+
+    def backward(self, ys):
+        (qkv,) = ys
+        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, qkv.shape[1:]
+        q, k, v = qkv.reshape(g, (r + 2) * d, *tail).split([r * d, d, d], dim=1)
+        return [q.reshape(g * r * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)]
+
+
+@dataclass(frozen=True)
+class StackRows(Op):
+    """gate [I, ...], up [I, ...] -> fc1 [2I, ...] = [gate; up] (Megatron's GLU takes the first half as the gate)."""
+
+    def forward(self, xs):
+        return [torch.cat(xs, dim=0)]
+
+    def backward(self, ys):
+        return list(ys[0].chunk(2, dim=0))
+
+
+@dataclass(frozen=True)
+class SplitExperts(Op):
+    """Stacked experts [E, ...] -> one tensor per expert; `transpose`: our input-first [in, out] -> Linear [out, in]."""
+
+    transpose: bool
+
+    def forward(self, xs):
+        return [x.t() if self.transpose else x for x in xs[0].unbind(0)]
+
+    def backward(self, ys):
+        return [torch.stack([y.t() if self.transpose else y for y in ys])]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """HF tensors `hf` <-> megatron-core tensor(s) `mcore` ("{e}" in the name: one tensor per expert)."""
+
+    hf: tuple[str, ...]
+    mcore: str
+    op: Op = SAME
+
+    def mcore_names(self, num_experts: int) -> list[str]:
+        return [self.mcore.format(e=e) for e in range(num_experts)] if "{e}" in self.mcore else [self.mcore]
+
+
+def _mlp_rules(hf: str, mc: str, config) -> list[Rule]:
+    """A dense FFN (or the shared expert): gate/up/down nn.Linear <-> Megatron MLP linear_fc1/linear_fc2."""
+    params = ("weight", "bias") if config.mlp_bias else ("weight",)
+    out = []
+    for p in params:
+        if config.gated_mlp:
+            out.append(Rule((f"{hf}gate_proj.{p}", f"{hf}up_proj.{p}"), f"{mc}linear_fc1.{p}", StackRows()))
+        else:
+            out.append(Rule((f"{hf}up_proj.{p}",), f"{mc}linear_fc1.{p}"))
+        out.append(Rule((f"{hf}down_proj.{p}",), f"{mc}linear_fc2.{p}"))
+    return out
+
+
+def rules(config, padded_vocab: int) -> list[Rule]:
+    """Every tensor of `GPTMoEForCausalLM(config)` and its megatron-core counterpart(s), layer by layer."""
+    head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+    qkv = InterleaveQKV(config.num_attention_heads, config.num_key_value_heads, head_dim)
+    norm = ("weight", "bias") if config.norm_type == "layernorm" else ("weight",)
+    vocab = PadRows(config.vocab_size, padded_vocab)
+    table = [Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", vocab)]
+    if config.position_embedding_type == "learned":
+        table.append(Rule(("model.embed_positions.weight",), "embedding.position_embeddings.weight"))
+    for i in range(config.num_hidden_layers):
+        hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
+        for p in norm:
+            table.append(Rule((f"{hf}input_layernorm.{p}",), f"{mc}input_layernorm.{p}"))
+            table.append(Rule((f"{hf}post_attention_layernorm.{p}",), f"{mc}pre_mlp_layernorm.{p}"))
+        for p in ("weight", "bias") if config.attention_bias else ("weight",):
+            names = tuple(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv")
+            table.append(Rule(names, f"{mc}self_attention.linear_qkv.{p}", qkv))
+        for p in ("weight", "bias") if config.attention_output_bias else ("weight",):
+            table.append(Rule((f"{hf}self_attn.o_proj.{p}",), f"{mc}self_attention.linear_proj.{p}"))
+        if not config.is_moe_layer(i):
+            table += _mlp_rules(f"{hf}mlp.", f"{mc}mlp.", config)
+            continue
+        table.append(Rule((f"{hf}mlp.gate.weight",), f"{mc}mlp.router.weight"))
+        experts, local = f"{hf}mlp.experts.", f"{mc}mlp.experts.local_experts.{{e}}."
+        fc1 = "gate_up_proj" if config.gated_mlp else "up_proj"
+        table.append(Rule((f"{experts}{fc1}",), f"{local}linear_fc1.weight", SplitExperts(transpose=True)))
+        table.append(Rule((f"{experts}down_proj",), f"{local}linear_fc2.weight", SplitExperts(transpose=True)))
+        if config.mlp_bias:
+            table.append(Rule((f"{experts}{fc1}_bias",), f"{local}linear_fc1.bias", SplitExperts(transpose=False)))
+            table.append(Rule((f"{experts}down_proj_bias",), f"{local}linear_fc2.bias", SplitExperts(transpose=False)))
+        if config.shared_expert_intermediate_size:
+            table += _mlp_rules(f"{hf}mlp.shared_expert.", f"{mc}mlp.shared_experts.", config)
+    for p in norm:
+        table.append(Rule((f"model.norm.{p}",), f"decoder.final_layernorm.{p}"))
+    if not config.tie_word_embeddings:
+        table.append(Rule(("lm_head.weight",), "output_layer.weight", vocab))
+    return table
+
+
+# (pattern, split over tensor-parallel ranks); first match wins. "fc1" is "glu" for gated MLPs, else "column".
+SHARDING = [
+    (re.compile(r"\.local_experts\.\d+\."), "expert"),
+    (re.compile(r"\.linear_fc1\.(weight|bias)$"), "fc1"),
+    (re.compile(r"(linear_qkv\.(weight|bias)|word_embeddings\.weight|output_layer\.weight)$"), "column"),
+    (re.compile(r"(linear_proj|linear_fc2)\.weight$"), "row"),
+    (re.compile(r""), "replicated"),
+]
+LINEAR = re.compile(r"^(.*\.(linear_qkv|linear_proj|linear_fc1|linear_fc2))\.weight$")
+LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+EXPERT = re.compile(r"^(.*\.local_experts\.)(\d+)(\..*)$")
+
+
+def split_kind(name: str, gated: bool) -> str:
+    kind = next(kind for pattern, kind in SHARDING if pattern.search(name))
+    return ("glu" if gated else "column") if kind == "fc1" else kind
+
+
+def _split(t: torch.Tensor, kind: str, tp: int, rank: int) -> torch.Tensor:
+    if tp == 1 or kind in ("replicated", "expert"):
+        return t.clone()
+    if kind == "glu":
+        gate, up = t.chunk(2, dim=0)
+        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
+    return t.chunk(tp, dim=1 if kind == "row" else 0)[rank].clone()
+
+
+def _merge(name: str, parts: list[torch.Tensor], kind: str) -> torch.Tensor:
+    if len({p.shape for p in parts}) != 1:
+        raise ConversionError(f"{name}: shapes differ between tensor-parallel ranks: {[_shape(p) for p in parts]}")
+    if kind == "replicated":
+        for rank, p in enumerate(parts[1:], 1):
+            if not torch.equal(p, parts[0]):
+                raise ConversionError(
+                    f"{name} is replicated over tensor-parallel ranks but rank {rank} differs from rank 0"
+                )
+        return parts[0]
+    if kind == "glu":
+        halves = [p.chunk(2, dim=0) for p in parts]
+        return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
+    return torch.cat(parts, dim=1 if kind == "row" else 0)
+
+
+# ------------------------------------------------------------------------------------------------ whole-model maps
+
+
+def expected_hf_shapes(config) -> dict[str, torch.Size]:
+    from ..modeling import GPTMoEForCausalLM
+
+    with torch.device("meta"):
+        model = GPTMoEForCausalLM(config)
+    return {k: v.shape for k, v in model.state_dict().items()}
+
+
+def _check_hf(state_dict: dict, config) -> None:
+    expected = expected_hf_shapes(config)
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong = [
+        f"{k}: {_shape(state_dict[k])}, config expects {list(expected[k])}"
+        for k in expected
+        if k in state_dict and state_dict[k].shape != expected[k]
+    ]
+    if missing or unexpected or wrong:
+        raise ConversionError(
+            "GPT-MoE weights do not match the config: "
+            + "; ".join(
+                f"{what}: {items}"
+                for what, items in [("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)]
+                if items
+            )
+        )
+
+
+def hf_to_mcore(state_dict: dict, config, padded_vocab: int) -> dict[str, torch.Tensor]:
+    """Our state dict -> the unsharded megatron-core GPTModel state dict (without `_extra_state` entries)."""
+    _check_hf(state_dict, config)
+    out = {}
+    for rule in rules(config, padded_vocab):
+        ys = rule.op.forward([state_dict[name] for name in rule.hf])
+        out.update(zip(rule.mcore_names(config.num_experts), ys, strict=True))
+    return out
+
+
+def mcore_to_hf(full: dict, config) -> dict[str, torch.Tensor]:
+    """The unsharded megatron-core state dict -> our state dict (lm_head.weight = the embedding when tied)."""
+    padded = full.get("embedding.word_embeddings.weight")
+    table = rules(config, padded.shape[0] if padded is not None else config.vocab_size)
+    wanted = {n for rule in table for n in rule.mcore_names(config.num_experts)}
+    have = {k for k in full if not k.endswith("._extra_state")}
+    if wanted != have:
+        raise ConversionError(
+            "Megatron tensors do not match the config: "
+            f"missing {sorted(wanted - have)}, unexpected {sorted(have - wanted)}"
+        )
+    out = {}
+    for rule in table:
+        ys = [full[n] for n in rule.mcore_names(config.num_experts)]
+        out.update(zip(rule.hf, rule.op.backward(ys), strict=True))
+    if config.tie_word_embeddings:
+        out["lm_head.weight"] = out["model.embed_tokens.weight"]
+    _check_hf(out, config)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- TP / EP / PP sharding
+
+
+def _layout(config, tp: int, pp: int) -> tuple[int, int]:
+    """(layers per stage, experts per rank), after checking that the layout divides the model evenly."""
+    problems = []
+    if config.num_hidden_layers % pp:
+        problems.append(f"num_hidden_layers={config.num_hidden_layers} is not divisible by PP={pp}")
+    if config.num_key_value_heads % tp:
+        problems.append(f"num_key_value_heads={config.num_key_value_heads} is not divisible by TP={tp}")
+    for name in ("num_attention_heads", "intermediate_size"):
+        if getattr(config, name) % tp:
+            problems.append(f"{name}={getattr(config, name)} is not divisible by TP={tp}")
+    has_moe = any(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    if has_moe and config.num_experts % tp:
+        problems.append(
+            f"num_experts={config.num_experts} is not divisible by TP={tp} (the experts live on the TP group)"
+        )
+    if has_moe and config.shared_expert_intermediate_size % tp:
+        problems.append(
+            f"shared_expert_intermediate_size={config.shared_expert_intermediate_size} is not divisible by TP={tp}"
+        )
+    if problems:
+        raise ConversionError("; ".join(problems))
+    return config.num_hidden_layers // pp, config.num_experts // tp
+
+
+def shard(full: dict, config, *, tp: int = 1, pp: int = 1) -> dict[tuple[int, int], dict]:
+    """Unsharded megatron-core state dict -> {(tp_rank, pp_rank): that rank's GPTModel.state_dict()}."""
+    per_stage, per_rank = _layout(config, tp, pp)
+    shards = {(t, p): {} for p in range(pp) for t in range(tp)}
+    if config.tie_word_embeddings and pp > 1:  # the last stage holds a copy of the embedding as its output layer
+        full = {**full, "output_layer.weight": full["embedding.word_embeddings.weight"]}
+    for name, tensor in full.items():
+        stage, local = 0, name
+        if m := LAYER.match(name):
+            stage = int(m.group(1)) // per_stage
+            local = f"decoder.layers.{int(m.group(1)) % per_stage}.{m.group(2)}"
+        elif name.startswith(("decoder.final_layernorm", "output_layer")):
+            stage = pp - 1
+        kind = split_kind(local, config.gated_mlp)
+        if kind == "expert":
+            prefix, e, suffix = EXPERT.match(local).groups()
+            shards[(int(e) // per_rank, stage)][f"{prefix}{int(e) % per_rank}{suffix}"] = tensor.clone()
+            continue
+        for t in range(tp):
+            shards[(t, stage)][local] = _split(tensor, kind, tp, t)
+    for (_, p), sd in shards.items():  # Megatron's linear layers carry an (empty) extra state; strict loading wants it
+        sd.update({f"{m.group(1)}._extra_state": None for k in list(sd) if (m := LINEAR.match(k))})
+        if p == pp - 1:
+            sd["output_layer._extra_state"] = None
+    return shards
+
+
+def unshard(shards: dict[tuple[int, int], dict], config, *, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """Inverse of `shard`: checks that every rank is present, holds the same names, and agrees on replicated tensors."""
+    per_stage, per_rank = _layout(config, tp, pp)
+    absent = sorted(set((t, p) for p in range(pp) for t in range(tp)) - set(shards))
+    if absent:
+        raise ConversionError(f"missing shards for (tp_rank, pp_rank) {absent}")
+    full, output_copy = {}, None
+    for p in range(pp):
+        ranks = [{k: v for k, v in shards[(t, p)].items() if not k.endswith("._extra_state")} for t in range(tp)]
+        for t, sd in enumerate(ranks[1:], 1):
+            if set(sd) != set(ranks[0]):
+                diff = sorted(set(sd) ^ set(ranks[0]))
+                raise ConversionError(
+                    f"pipeline stage {p}: tensor-parallel ranks 0 and {t} hold different tensors: {diff}"
+                )
+        for local in ranks[0]:
+            name = local
+            if m := LAYER.match(local):
+                name = f"decoder.layers.{p * per_stage + int(m.group(1))}.{m.group(2)}"
+            kind = split_kind(local, config.gated_mlp)
+            if kind == "expert":
+                prefix, e, suffix = EXPERT.match(name).groups()
+                for t in range(tp):
+                    full[f"{prefix}{t * per_rank + int(e)}{suffix}"] = ranks[t][local]
+            elif name == "output_layer.weight" and config.tie_word_embeddings and pp > 1:
+                output_copy = _merge(name, [sd[local] for sd in ranks], kind)
+            else:
+                full[name] = _merge(name, [sd[local] for sd in ranks], kind)
+    if config.tie_word_embeddings and pp > 1:
+        embedding = full.get("embedding.word_embeddings.weight")
+        if output_copy is None or embedding is None or not torch.equal(output_copy, embedding):
+            raise ConversionError(
+                "tied embeddings with PP > 1: the last stage's output_layer.weight must exist and equal the embedding"
+            )
+    return full
+
+
+def to_megatron(state_dict: dict, config, *, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128):
+    """Our state dict -> {(tp_rank, pp_rank): megatron-core GPTModel state dict} for a TP x PP layout."""
+    from ..parallel.megatron import check_megatron_compatible, padded_vocab_size
+
+    check_megatron_compatible(config)
+    padded = padded_vocab_size(config.vocab_size, tp, make_vocab_size_divisible_by)
+    return shard(hf_to_mcore(state_dict, config, padded), config, tp=tp, pp=pp)
+
+
+def from_megatron(shards: dict, config, *, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """Inverse of `to_megatron`."""
+    return mcore_to_hf(unshard(shards, config, tp=tp, pp=pp), config)
+
+
+# ------------------------------------------------------------------------------------------- Megatron-LM files
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def rank_dir(tp_rank: int, pp_rank: int, *, pp: int, ep: int) -> str:
+    """Megatron-LM's `get_checkpoint_name` folder; with experts on the TP group the expert rank is the TP rank."""
+    return f"mp_rank_{tp_rank:02d}" + (f"_{pp_rank:03d}" if pp > 1 else "") + (f"_{tp_rank:03d}" if ep > 1 else "")
+
+
+def checkpoint_args(config, *, tp: int, pp: int, make_vocab_size_divisible_by: int = 128) -> dict:
+    """The `args` stored with the weights: what Megatron-LM's checkpoint checks and --use-checkpoint-args read."""
+    from ..parallel.megatron import megatron_lm_args, padded_vocab_size
+
+    args = megatron_lm_args(config, tp=tp, pp=pp)
+    args.setdefault("expert_model_parallel_size", 1)
+    args.update(
+        padded_vocab_size=padded_vocab_size(config.vocab_size, tp, make_vocab_size_divisible_by),
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        ckpt_format="torch",
+        seq_length=config.max_position_embeddings,
+    )
+    return args
+
+
+def _replace_dir(staging: Path, target: Path, overwrite: bool) -> None:
+    if target.exists():
+        if not overwrite:
+            raise FileExistsError(f"{target} exists; pass overwrite=True (--overwrite) to replace it")
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, old / target.name)
+        os.replace(staging, target)
+        shutil.rmtree(old)
+    else:
+        os.replace(staging, target)
+
+
+def save_megatron_checkpoint(shards: dict, directory, args: dict, *, overwrite: bool = False) -> Path:
+    """Write {(tp_rank, pp_rank): state dict} as a Megatron-LM "release" checkpoint, atomically."""
+    target = Path(directory)
+    tp, pp, ep = (
+        args["tensor_model_parallel_size"],
+        args["pipeline_model_parallel_size"],
+        args["expert_model_parallel_size"],
+    )
+    if ep not in (1, tp):
+        raise ConversionError(f"expert_model_parallel_size={ep}: only 1 or the TP size ({tp}, PPMoE) are written")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
+    try:
+        for (t, p), sd in sorted(shards.items()):
+            folder = staging / "release" / rank_dir(t, p, pp=pp, ep=ep)
+            folder.mkdir(parents=True)
+            record = {
+                "args": argparse.Namespace(**args),
+                "checkpoint_version": 3.0,
+                "iteration": 0,
+                "model": sd,
+                "num_floating_point_operations_so_far": 0,
+            }
+            torch.save(record, folder / "model_optim_rng.pt")
+        (staging / TRACKER).write_text("release")
+        _replace_dir(staging, target, overwrite)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _load(path: Path, weights_only: bool) -> dict:
+    try:
+        with torch.serialization.safe_globals([argparse.Namespace]):
+            return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as error:
+        if weights_only and isinstance(error, pickle.UnpicklingError):
+            raise ConversionError(
+                f"{path} holds Python objects beyond tensors (Megatron-LM's saved args). If you trust the file, load "
+                f"it with weights_only=False (--trust-checkpoint). Details: {str(error).splitlines()[0]}"
+            ) from error
+        raise
+
+
+def load_megatron_checkpoint(directory, *, weights_only: bool = True) -> tuple[dict, argparse.Namespace]:
+    """Read a Megatron-LM legacy checkpoint (the tracker's iteration) -> ({(tp_rank, pp_rank): state dict}, args)."""
+    root = Path(directory)
+    if not (root / TRACKER).is_file():
+        raise ConversionError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER}")
+    step = (root / TRACKER).read_text().strip()
+    folder = root / ("release" if step == "release" else f"iter_{int(step):07d}")
+    found = sorted(p.name for p in folder.glob("mp_rank_*")) if folder.is_dir() else []
+    if not found:
+        dist = folder.is_dir() and any((folder / n).exists() for n in (".metadata", "metadata.json"))
+        raise ConversionError(
+            f"{folder}: no mp_rank_* folders"
+            + (" (a torch_dist checkpoint: save with --ckpt-format torch to convert it)" if dist else "")
+        )
+    first = _load(folder / found[0] / "model_optim_rng.pt", weights_only)
+    args = first["args"]
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    if ep not in (1, tp):
+        raise ConversionError(f"expert_model_parallel_size={ep} with TP={tp}: only experts on the TP group are read")
+    shards = {}
+    for p in range(pp):
+        for t in range(tp):
+            path = folder / rank_dir(t, p, pp=pp, ep=ep) / "model_optim_rng.pt"
+            if not path.is_file():
+                raise ConversionError(f"missing {path.relative_to(root)} for TP={tp}, PP={pp}, EP={ep}")
+            record = first if path.parent.name == found[0] else _load(path, weights_only)
+            if "model" not in record:
+                keys = ", ".join(k for k in record if k.startswith("model"))
+                raise ConversionError(
+                    f"{path}: no 'model' entry ({keys or 'none'}); virtual pipeline stages are not read"
+                )
+            shards[(t, p)] = record["model"]
+    return shards, args
+
+
+def _check_args(args, config, tp: int, pp: int) -> None:
+    from ..parallel.megatron import megatron_lm_args
+
+    expected = megatron_lm_args(config, tp=tp, pp=pp)
+    keys = (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "kv_channels",
+        "num_experts",
+        "moe_ffn_hidden_size",
+        "moe_router_topk",
+        "moe_layer_freq",
+        "add_bias_linear",
+        "add_qkv_bias",
+        "normalization",
+        "untie_embeddings_and_output_weights",
+        "position_embedding_type",
+    )
+    wrong = [
+        f"{k}={getattr(args, k)!r} (config: {expected[k]!r})"
+        for k in keys
+        if k in expected and hasattr(args, k) and getattr(args, k) != expected[k]
+    ]
+    if wrong:
+        raise ConversionError("the Megatron checkpoint was saved for another model: " + ", ".join(wrong))
+
+
+def convert_hf_to_megatron(
+    hf_path, out, *, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128, overwrite: bool = False
+) -> Path:
+    """A saved GPTMoEForCausalLM folder -> a Megatron-LM release checkpoint for TP x PP (experts on the TP group)."""
+    from ..modeling import GPTMoEForCausalLM
+
+    model = GPTMoEForCausalLM.from_pretrained(hf_path)
+    shards = to_megatron(
+        model.state_dict(), model.config, tp=tp, pp=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+    )
+    args = checkpoint_args(model.config, tp=tp, pp=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    return save_megatron_checkpoint(shards, out, args, overwrite=overwrite)
+
+
+def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = True):
+    """A Megatron-LM legacy checkpoint of our model -> a GPTMoEForCausalLM folder. `config`: a GPTMoEConfig, or a
+    folder / config.json it is read from (Megatron checkpoints do not carry it)."""
+    from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+
+    if not isinstance(config, GPTMoEConfig):
+        config = GPTMoEConfig.from_pretrained(config)
+    shards, args = load_megatron_checkpoint(megatron_path, weights_only=weights_only)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _check_args(args, config, tp, pp)
+    state_dict = from_megatron(shards, config, tp=tp, pp=pp)
+    model = GPTMoEForCausalLM(config)
+    model.load_state_dict(state_dict, strict=True)
+    model.to(state_dict["model.embed_tokens.weight"].dtype).save_pretrained(out)
+    return model
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m hf_ppmoe.conversion.megatron", description=__doc__.split("\n\n")[0]
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("to-megatron", help="GPT-MoE folder -> Megatron-LM release checkpoint (legacy torch format)")
+    a.add_argument("hf_path")
+    a.add_argument("out")
+    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= expert-parallel size)")
+    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="as Megatron-LM's argument")
+    a.add_argument("--overwrite", action="store_true")
+    b = sub.add_parser("to-hf", help="Megatron-LM checkpoint -> GPT-MoE folder")
+    b.add_argument("megatron_path")
+    b.add_argument("out")
+    b.add_argument("--config", required=True, help="GPT-MoE folder or config.json describing the model")
+    b.add_argument("--trust-checkpoint", action="store_true", help="allow pickled Python objects (Megatron-LM args)")
+    ns = parser.parse_args(argv)
+    if ns.command == "to-megatron":
+        convert_hf_to_megatron(
+            ns.hf_path,
+            ns.out,
+            tp=ns.tp,
+            pp=ns.pp,
+            overwrite=ns.overwrite,
+            make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
+        )
+    else:
+        convert_megatron_to_hf(ns.megatron_path, ns.out, ns.config, weights_only=not ns.trust_checkpoint)
+    print(f"wrote {ns.out}")
+
+
+if __name__ == "__main__":
+    main()

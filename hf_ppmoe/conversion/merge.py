@@ -1,0 +1,146 @@
+"""MoE -> dense: merge each MoE layer's experts back into one FFN and write the original dense architecture.
+
+The merge is the inverse of upcycling, table for table: `experts_mapping(...).inverse()` merges the experts (a
+weighted mean in float64; E identical float32 copies give back the same bits) and drops the router, then the source
+architecture's table, inverted, restores its names (GPT-2's Conv1D transposes, fused c_attn, ...). The down-projection
+is multiplied back by the gate's uniform combine sum (1 / the scale upcycling applied), so a freshly upcycled model
+merges back to the dense weights exactly: bit for bit when that scale is a power of two (1 for topk with
+renormalisation and gshard; E for switch with E a power of two), to one float rounding otherwise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from .architectures import get_architecture
+from .io import open_checkpoint, read_config_dict
+from .mapping import ConversionError
+from .pipeline import deliver
+from .upcycle import experts_mapping
+
+MERGE_METHODS = ("mean", "usage", "expert")
+
+
+@torch.no_grad()
+def expert_usage(model: GPTMoEForCausalLM, sample_texts: list[str], tokenizer) -> dict[int, torch.Tensor]:
+    """Routes each expert received per MoE layer (layer index -> counts [E]) over `sample_texts`, padding excluded."""
+    if not sample_texts:
+        raise ConversionError("method='usage' needs sample_texts to measure how often the router picks each expert")
+    layers = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
+    E = model.config.num_experts
+    counts = {i: torch.zeros(E, dtype=torch.float64) for i in layers}
+    was_training = model.training
+    model.eval()
+    try:
+        for text in sample_texts:
+            ids = tokenizer(text, return_tensors="pt")["input_ids"].to(model.device)
+            out = model(input_ids=ids, output_router_logits=True, use_cache=False)
+            for i, expert_ids in zip(layers, out.router_expert_ids):
+                counts[i] += torch.bincount(expert_ids.flatten().cpu(), minlength=E + 1)[:E].double()
+    finally:
+        model.train(was_training)
+    return counts
+
+
+def _merge_weights(method, config, layers, expert, usage) -> dict[int, tuple[float, ...]]:
+    E = config.num_experts
+    if method == "mean":
+        return {i: (1.0 / E,) * E for i in layers}
+    if method == "expert":
+        if not 0 <= expert < E:
+            raise ConversionError(f"expert={expert} does not exist; the model has experts 0..{E - 1}")
+        return {i: tuple(float(e == expert) for e in range(E)) for i in layers}
+    weights = {}
+    for i in layers:
+        total = float(usage[i].sum())
+        if total == 0:
+            raise ConversionError(f"no sample token reached any expert of layer {i}; give more sample_texts")
+        weights[i] = tuple((usage[i] / total).tolist())
+    return weights
+
+
+def merge_experts(
+    moe,
+    *,
+    method: str = "mean",
+    expert: int = 0,
+    sample_texts: list[str] | None = None,
+    tokenizer=None,
+    save_directory: str | Path | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+):
+    """Merge a GPT-MoE made by `upcycle` or `import_moe` (a model object or a folder) back into its dense architecture
+    (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), loadable by plain Transformers.
+
+    method: "mean" (mean of the experts), "usage" (mean weighted by how often the router picks each expert on
+        `sample_texts`, tokenized with `tokenizer` or the folder's tokenizer), or "expert" (keep expert `expert`).
+    Returns the dense model, or writes it to `save_directory` and returns the path.
+    """
+    if method not in MERGE_METHODS:
+        raise ValueError(f"method={method!r}; use one of {', '.join(MERGE_METHODS)}.")
+
+    def load_config(folder: Path):
+        model_type = read_config_dict(folder).get("model_type")
+        if model_type != GPTMoEConfig.model_type:
+            raise ConversionError(
+                f"{folder} holds a {model_type!r} model; merge_experts reads GPT-MoE checkpoints (model_type "
+                f"'gpt_moe') made by upcycle or import_moe. Import an MoE checkpoint with import_moe first."
+            )
+        return GPTMoEConfig.from_pretrained(folder)
+
+    checkpoint = open_checkpoint(moe, load_config)
+    config = checkpoint.config
+    record = getattr(config, "conversion", None)
+    if not isinstance(record, dict) or "dense_config" not in record:
+        raise ConversionError(
+            "this GPT-MoE has no record of a dense architecture (config.conversion, written by upcycle and import_moe), "
+            "so there is no original class to merge back into."
+        )
+    if config.shared_expert_intermediate_size:
+        raise ConversionError("merging a model with a shared expert is not supported: the dense FFN has no place for it")
+
+    from transformers import CONFIG_MAPPING
+
+    dense_dict = record["dense_config"]
+    arch = get_architecture(dense_dict.get("model_type"), moe=False)
+    dense_config = CONFIG_MAPPING[arch.model_type].from_dict(dense_dict)
+    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+
+    usage = None
+    if method == "usage":
+        model = checkpoint.model
+        if model is None:
+            model = GPTMoEForCausalLM.from_pretrained(checkpoint.folder)
+        if tokenizer is None and checkpoint.folder is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder)
+        if tokenizer is None:
+            raise ConversionError("method='usage' needs a tokenizer for the sample texts; pass tokenizer=...")
+        usage = expert_usage(model, sample_texts, tokenizer)
+        del model
+
+    weights = _merge_weights(method, config, layers, expert, usage)
+    experts = experts_mapping(config, layers, scale=record["expert_output_scale"], merge_weights=weights).inverse()
+    dense_names = experts.apply(checkpoint.tensors)
+    import transformers
+
+    return deliver(
+        arch.mapping(dense_config).inverse().apply(dense_names),
+        dense_config,
+        getattr(transformers, arch.dense_class),
+        checkpoint,
+        save_directory=save_directory,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        progress=progress,
+        tokenizer=tokenizer if checkpoint.folder is None else None,
+    )
+
+
+__all__ = ["MERGE_METHODS", "expert_usage", "merge_experts"]

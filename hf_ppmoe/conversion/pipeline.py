@@ -1,0 +1,81 @@
+"""The part every conversion shares: check the converted tensors against the target model, then write them (or load
+the result when no output folder is asked for)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .io import Checkpoint, atomic_folder, carry_side_files, write_safetensors
+from .mapping import ConversionError, MappedSource, TensorSource, shape_str
+
+
+def expected_tensors(model_class, config) -> dict[str, torch.Size]:
+    """Names and shapes of the tensors a checkpoint of `model_class(config)` holds (tied copies counted once)."""
+    with torch.device("meta"):
+        model = model_class(config)
+    seen, expected = set(), {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            expected[name] = tensor.shape
+    return expected
+
+
+def plan_tensors(tensors: TensorSource, expected: dict[str, torch.Size]) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """Run the whole conversion on meta tensors and compare with `expected`: a shape mismatch names the source tensors
+    it comes from, a tensor the target needs but the conversion does not produce is an error. Returns the write plan."""
+    meta = tensors.meta()
+    plan, mismatched = [], []
+    for name in meta.keys():
+        t = meta.get(name)
+        if name not in expected:
+            raise ConversionError(f"the conversion produced {name} (from {tensors.describe(name)}), which the target model does not have")
+        if tuple(t.shape) != tuple(expected[name]):
+            mismatched.append(f"{name} would be {shape_str(t)} but must be {list(expected[name])} (from {tensors.describe(name)})")
+        plan.append((name, t.shape, t.dtype))
+    if mismatched:
+        raise ConversionError(
+            "tensor shapes in the source do not match its config.json:\n  " + "\n  ".join(mismatched[:8])
+        )
+    missing = sorted(set(expected) - {name for name, _, _ in plan})
+    if missing:
+        raise ConversionError(f"the conversion does not produce {', '.join(missing[:8])}, which the target model needs")
+    return plan
+
+
+def deliver(
+    tensors: MappedSource,
+    config,
+    model_class,
+    checkpoint: Checkpoint,
+    *,
+    save_directory=None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+    tokenizer=None,
+):
+    """Write the converted checkpoint into `save_directory` (returned as a Path), or, without one, load and return the
+    converted model (written to a temporary folder first, so both paths are the same code)."""
+    plan = plan_tensors(tensors, expected_tensors(model_class, config))
+    if save_directory is None:
+        with tempfile.TemporaryDirectory(prefix="hf-ppmoe-convert-") as tmp:
+            folder = _write(Path(tmp) / "model", plan, tensors, config, model_class, checkpoint, max_shard_size, False, False, tokenizer)
+            return model_class.from_pretrained(folder).eval()
+    return _write(Path(save_directory), plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer)
+
+
+def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer) -> Path:
+    from ..modeling.common import MoEPreTrainedModel, add_remote_code
+
+    config.architectures = [model_class.__name__]
+    with atomic_folder(target, overwrite=overwrite) as folder:
+        carry_side_files(checkpoint, folder, tokenizer)
+        write_safetensors(folder, plan, tensors.get, max_shard_size, progress)
+        if issubclass(model_class, MoEPreTrainedModel):
+            add_remote_code(folder, model_class, config)
+        config.save_pretrained(folder)
+    return target

@@ -1,0 +1,346 @@
+"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral) into GPT-MoE.
+
+Legend: E experts, K routes per token, H hidden, I FFN inner size.
+
+Upcycling is two maps, both declarative and reversible: the source architecture's table (architectures.py) renames
+its weights into GPT-MoE's dense names, then `experts_mapping` turns each chosen dense FFN into E copies plus a router.
+
+Exactness. Identical experts make the MoE output (sum_k w_k) * FFN(x), so the logits equal the dense model's exactly
+when the combine weights of every token sum to one. With a zero router (`router_init="zeros"`) every gate sees uniform
+probabilities 1/E and its sum is a constant c (switch: 1/E; topk without renormalisation: K/E; prototype: K * K/E;
+topk with renormalisation and gshard: 1); the down-projections are scaled by 1/c, so every built-in gate is exact.
+A random or hidden-state router is exact only for gates that renormalise their weights (topk with
+norm_topk_prob=True, gshard); for the others `upcycle` warns. Exactness also needs dropless evaluation
+(eval_capacity_factor=None, the default; capacity_factor only applies in training) and no noise. GShard's random
+routing only happens in training.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+
+from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..moe.gates import get_gate_class
+from .architectures import Architecture, get_architecture
+from .io import Checkpoint, open_checkpoint, read_config_dict
+from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, Transpose, rename
+from .pipeline import deliver
+
+ROUTER_INITS = ("zeros", "random", "hidden")
+
+
+# -------------------------------------------------------------------------------------------- experts mapping
+
+
+def experts_mapping(
+    config: GPTMoEConfig,
+    layers: list[int],
+    *,
+    scale: float = 1.0,
+    noise_std: float = 0.0,
+    seed: int = 0,
+    routers: dict | None = None,
+    merge_weights: dict[int, tuple[float, ...]] | None = None,
+) -> Mapping:
+    """GPT-MoE dense FFN names -> MoE layer names for each of `layers`: E copies of the FFN (down-projection scaled by
+    `scale`, optional noise), and a router made by `routers[i]()`. The inverse merges the experts with
+    `merge_weights[i]` (uniform by default) and drops the router. Every other tensor passes through."""
+    E = config.num_experts
+    ins = ("gate_proj", "up_proj") if config.gated_mlp else ("up_proj",)
+    fused = "gate_up_proj" if config.gated_mlp else "up_proj"
+    join = Concat(0, len(ins)) if len(ins) > 1 else Identity()
+    rules = []
+    for i in layers:
+        d = f"model.layers.{i}.mlp."
+        w = merge_weights.get(i) if merge_weights else None
+
+        def copies(k: int, noise: float = noise_std) -> Replicate:
+            return Replicate(E, noise, seed=seed * 1_000_003 + 4 * i + k, merge_weights=w)
+
+        make_router = routers[i] if routers else _no_router
+        rules += [  # nn.Linear [out, in] -> experts' input-first [E, in, out]
+            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, Transpose(), copies(0))),
+            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Transpose(), Scale(scale), copies(1))),
+            Rule((), (f"{d}gate.weight",), Create(make_router)),
+        ]
+        if config.mlp_bias:  # biases are copied without noise
+            rules += [
+                Rule(tuple(f"{d}{p}.bias" for p in ins), (f"{d}experts.{fused}_bias",), Chain(join, copies(2, 0.0))),
+                rename(f"{d}down_proj.bias", f"{d}experts.down_proj_bias", Chain(Scale(scale), copies(3, 0.0))),
+            ]
+    return Mapping(rules, num_experts=E, passthrough=True)
+
+
+def _no_router():
+    raise AssertionError("a router is only created when upcycling")
+
+
+# ---------------------------------------------------------------------------------------- gate probes
+
+
+def _combine_sums(config: GPTMoEConfig, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    gate = get_gate_class(config.router_type)(config).eval()
+    gate.capacity_factor = gate.eval_capacity_factor = None  # the sums of dropless routing
+    with torch.no_grad():
+        gate.weight.copy_(weight)
+        return gate(tokens).weights.sum(-1).double()
+
+
+def expert_output_scale(config: GPTMoEConfig) -> float:
+    """1 / (the sum of a token's combine weights under a uniform (zero) router): the down-projection scale that makes
+    E identical experts sum to the dense FFN."""
+    H, E = config.hidden_size, config.num_experts
+    sums = _combine_sums(config, torch.zeros(E, H), torch.zeros(4, H))
+    if not bool((sums == sums[0]).all()) or float(sums[0]) <= 0:
+        raise ConversionError(
+            f"router_type={config.router_type!r} gives combine weights {sums.tolist()} under a uniform router; upcycling "
+            "needs one positive constant per token to scale the experts by."
+        )
+    return 1.0 / float(sums[0])
+
+
+def gate_renormalizes(config: GPTMoEConfig) -> bool:
+    """Whether the gate's combine weights sum to one for any router (so a non-uniform router keeps exactness)."""
+    g = torch.Generator().manual_seed(0)
+    H, E = config.hidden_size, config.num_experts
+    sums = _combine_sums(config, torch.randn(E, H, generator=g), torch.randn(64, H, generator=g))
+    return bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-5))
+
+
+def _warn_if_inexact(config: GPTMoEConfig, router_init: str) -> None:
+    if config.eval_capacity_factor is not None:
+        warnings.warn(
+            f"eval_capacity_factor={config.eval_capacity_factor}: evaluation drops tokens past capacity, so the upcycled "
+            "model's logits can differ from the dense model's. Leave it None (dropless) for an exact upcycle.",
+            stacklevel=3,
+        )
+    if router_init != "zeros" and not gate_renormalizes(config):
+        warnings.warn(
+            f"router_init={router_init!r} with router_type={config.router_type!r}"
+            + (" and norm_topk_prob=False" if config.router_type == "topk" else "")
+            + ": this gate's combine weights do not sum to one for a non-uniform router, so the upcycled model's logits "
+            "will differ from the dense model's until it is fine-tuned. Exact: router_init='zeros' with any gate, or "
+            "'random'/'hidden' with router_type='topk' (norm_topk_prob=True) or 'gshard'.",
+            stacklevel=3,
+        )
+
+
+# ----------------------------------------------------------------------------------------------- routers
+
+
+def _texts_per_expert(sample_texts, num_experts: int) -> list[list[str]]:
+    if not sample_texts or len(sample_texts) != num_experts:
+        n = len(sample_texts) if sample_texts else 0
+        raise ConversionError(
+            f"router_init='hidden' needs sample_texts with one entry per expert (a text or a list of texts), "
+            f"{num_experts} in all; got {n}."
+        )
+    return [[t] if isinstance(t, str) else list(t) for t in sample_texts]
+
+
+@torch.no_grad()
+def hidden_router_rows(model, ffn_module: str, layers: list[int], sample_texts, tokenizer, num_experts: int) -> dict[int, torch.Tensor]:
+    """mergekit's "hidden" gate mode, on what a router actually sees: for each expert e and layer i, the mean input of
+    FFN i over the tokens of expert e's sample texts (averaged per text, then over texts), scaled to unit norm."""
+    texts = _texts_per_expert(sample_texts, num_experts)
+    captured: dict[int, torch.Tensor] = {}
+    hooks = [
+        model.get_submodule(ffn_module.replace("{i}", str(i))).register_forward_pre_hook(
+            lambda module, args, i=i: captured.__setitem__(i, args[0].detach())
+        )
+        for i in layers
+    ]
+    was_training = model.training
+    model.eval()
+    try:
+        rows: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+        for expert_texts in texts:
+            per_text: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+            for text in expert_texts:
+                ids = tokenizer(text, return_tensors="pt")["input_ids"]
+                if ids.numel() == 0:
+                    raise ConversionError(f"sample text {text!r} has no tokens")
+                model(input_ids=ids.to(model.device))
+                for i in layers:
+                    per_text[i].append(captured[i][0].float().mean(0))
+            for i in layers:
+                v = torch.stack(per_text[i]).mean(0)
+                rows[i].append(v / v.norm().clamp_min(1e-8))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)
+    return {i: torch.stack(r).cpu() for i, r in rows.items()}
+
+
+def _routers(router_init, config, layers, dtype, seed, checkpoint: Checkpoint, arch: Architecture, sample_texts, tokenizer):
+    E, H, std = config.num_experts, config.hidden_size, config.initializer_range
+    if router_init == "zeros":
+        return {i: (lambda: torch.zeros(E, H, dtype=dtype)) for i in layers}
+    if router_init == "random":
+        return {
+            i: (lambda i=i: (torch.randn(E, H, generator=torch.Generator().manual_seed(seed * 1_000_003 + i)) * std).to(dtype))
+            for i in layers
+        }
+    if tokenizer is None:
+        if checkpoint.folder is None:
+            raise ConversionError("router_init='hidden' needs a tokenizer for the sample texts; pass tokenizer=...")
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(checkpoint.folder)
+        except (OSError, ValueError) as err:
+            raise ConversionError(f"router_init='hidden' needs a tokenizer and {checkpoint.folder} has none ({err}); pass tokenizer=...") from err
+    model = checkpoint.model
+    if model is None:
+        import transformers
+
+        model = getattr(transformers, arch.dense_class).from_pretrained(checkpoint.folder)
+    rows = hidden_router_rows(model, arch.ffn_module, layers, sample_texts, tokenizer, E)
+    del model
+    return {i: (lambda r=rows[i]: r.to(dtype)) for i in layers}
+
+
+# ------------------------------------------------------------------------------------------------- entry points
+
+
+_CONFIG_FIELDS = {f for cls in GPTMoEConfig.__mro__ for f in getattr(cls, "__annotations__", {})}
+
+
+def _dense_checkpoint(src, moe: bool) -> tuple[Checkpoint, Architecture]:
+    from transformers import AutoConfig
+
+    def load_config(folder: Path):
+        get_architecture(read_config_dict(folder).get("model_type"), moe=moe)
+        return AutoConfig.from_pretrained(folder)
+
+    checkpoint = open_checkpoint(src, load_config)
+    arch = get_architecture(getattr(checkpoint.config, "model_type", None), moe=moe)
+    keys = checkpoint.tensors.keys()
+    prefix = arch.base_prefix
+    if keys and not any(k.startswith(prefix) for k in keys):  # saved from the base model (e.g. the original "gpt2")
+        renamed = Mapping([rename(k, k if k.startswith("lm_head.") else prefix + k) for k in keys])
+        checkpoint.tensors = renamed.apply(checkpoint.tensors)
+    return checkpoint, arch
+
+
+def _moe_config(fields: dict, overrides: dict, **extra) -> GPTMoEConfig:
+    unknown = sorted(set(overrides) - _CONFIG_FIELDS)
+    if unknown:
+        raise TypeError(f"unknown GPTMoEConfig field(s): {', '.join(unknown)}")
+    return GPTMoEConfig(**{**fields, **overrides, **extra})
+
+
+def upcycle(
+    dense,
+    *,
+    num_experts: int = 8,
+    num_experts_per_tok: int | None = None,
+    router_type: str = "topk",
+    moe_layer_frequency: int = 2,
+    moe_layers: list[int] | None = None,
+    router_init: str = "zeros",
+    sample_texts=None,
+    tokenizer=None,
+    noise_std: float = 0.0,
+    seed: int = 0,
+    save_directory: str | Path | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+    **config_overrides,
+) -> GPTMoEForCausalLM | Path:
+    """Turn a dense causal LM (GPT-2, Llama, Mistral, Qwen2; a model object or a folder / Hub id of safetensors) into a
+    GPT-MoE whose chosen FFNs are MoE layers of `num_experts` copies of the dense FFN.
+
+    num_experts_per_tok: routes per token (default 1 for router_type="switch", else 2).
+    moe_layer_frequency / moe_layers: every n-th FFN becomes MoE (layers n-1, 2n-1, ...), or the listed ones.
+    router_init: "zeros" (uniform routing; exact for every gate), "random" (normal, std initializer_range), or
+        "hidden" (mergekit's mode: one row per expert from the FFN inputs of `sample_texts[e]`, a text or a list of
+        texts per expert, tokenized with `tokenizer` or the source folder's tokenizer).
+    noise_std: N(0, noise_std^2) noise added to each expert's weights to break their symmetry (`seed` draws it).
+    config_overrides: any other GPTMoEConfig field (capacity_factor, norm_topk_prob, dispatch, router_aux_loss_coef...).
+
+    Returns the model, or, with `save_directory`, writes the checkpoint there (sharded safetensors, config, remote code,
+    the source's tokenizer and generation config) tensor by tensor and returns the folder's path.
+    """
+    if router_init not in ROUTER_INITS:
+        raise ValueError(f"router_init={router_init!r}; use one of {', '.join(ROUTER_INITS)}.")
+    checkpoint, arch = _dense_checkpoint(dense, moe=False)
+    if num_experts_per_tok is None:
+        num_experts_per_tok = 1 if router_type == "switch" else 2
+    config = _moe_config(
+        arch.gpt_moe_fields(checkpoint.config),
+        config_overrides,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok,
+        router_type=router_type,
+        moe_layer_frequency=moe_layer_frequency,
+        moe_layers=moe_layers,
+    )
+    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    if not layers:
+        raise ConversionError(
+            f"no FFN becomes an MoE layer: moe_layer_frequency={moe_layer_frequency} with {config.num_hidden_layers} "
+            "layers. Use a smaller frequency or list moe_layers."
+        )
+    _warn_if_inexact(config, router_init)
+    scale = expert_output_scale(config)
+    config.conversion = {
+        "dense_config": checkpoint.config.to_dict(),
+        "expert_output_scale": scale,
+        "router_init": router_init,
+        "noise_std": noise_std,
+    }
+    dense_names = arch.mapping(checkpoint.config).apply(checkpoint.tensors)
+    dtype = dense_names.meta().get(f"model.layers.{layers[0]}.mlp.down_proj.weight").dtype
+    routers = _routers(router_init, config, layers, dtype, seed, checkpoint, arch, sample_texts, tokenizer)
+    experts = experts_mapping(config, layers, scale=scale, noise_std=noise_std, seed=seed, routers=routers)
+    return deliver(
+        experts.apply(dense_names),
+        config,
+        GPTMoEForCausalLM,
+        checkpoint,
+        save_directory=save_directory,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        progress=progress,
+        tokenizer=tokenizer,
+    )
+
+
+def import_moe(
+    moe,
+    *,
+    save_directory: str | Path | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = False,
+    **config_overrides,
+) -> GPTMoEForCausalLM | Path:
+    """Import an MoE checkpoint (Mixtral; a model object or a folder / Hub id) into GPT-MoE with a "topk" gate: same
+    weights, same routing, equal logits. `merge_experts` turns the result into the dense twin (MistralForCausalLM).
+    Returns the model, or writes it to `save_directory` and returns the path (as `upcycle`)."""
+    checkpoint, arch = _dense_checkpoint(moe, moe=True)
+    config = _moe_config(arch.gpt_moe_fields(checkpoint.config), config_overrides)
+    config.conversion = {
+        "dense_config": arch.dense_twin(checkpoint.config).to_dict(),
+        "expert_output_scale": 1.0,
+        "imported_from": checkpoint.config.to_dict(),
+    }
+    return deliver(
+        arch.mapping(checkpoint.config).apply(checkpoint.tensors),
+        config,
+        GPTMoEForCausalLM,
+        checkpoint,
+        save_directory=save_directory,
+        max_shard_size=max_shard_size,
+        overwrite=overwrite,
+        progress=progress,
+    )
+
+
+__all__ = ["expert_output_scale", "experts_mapping", "gate_renormalizes", "hidden_router_rows", "import_moe", "upcycle"]

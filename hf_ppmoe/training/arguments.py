@@ -1,0 +1,123 @@
+"""Arguments of `python -m hf_ppmoe.training` / `accelerate launch -m hf_ppmoe.training`, checked before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class TrainArguments:
+    # ---- model: exactly one of model_name_or_path / config_name / upcycle_from (none: a small default GPT-MoE)
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a GPT-MoE/Seq2Seq-MoE model."})
+    config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch."})
+    upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle."})
+    num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer (upcycling / default model)."})
+    num_experts_per_tok: int = field(default=2, metadata={"help": "Routes per token (upcycling / default model)."})
+    router_type: str = field(default="topk", metadata={"help": "Gate for upcycling / the default model."})
+    router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
+    expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
+
+    # ---- data: text/JSON-lines files, a cached `datasets` dataset, or the built-in corpus
+    train_file: list[str] | None = field(default=None, metadata={"help": ".txt (one document per blank-line block) or .jsonl files."})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: 5% of train)."})
+    dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` dataset, read from the local cache."})
+    dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
+    dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
+    text_column: str = field(default="text", metadata={"help": "Field holding the text (jsonl / datasets)."})
+    block_size: int = field(default=128, metadata={"help": "Tokens per packed training sequence."})
+
+    # ---- optimisation
+    output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model."})
+    max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
+    per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
+    weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
+    adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
+    adam_beta2: float = field(default=0.999, metadata={"help": "AdamW beta2."})
+    adam_epsilon: float = field(default=1e-8, metadata={"help": "AdamW epsilon."})
+    warmup_steps: int = field(default=10, metadata={"help": "Linear warm-up steps."})
+    lr_scheduler_type: str = field(default="cosine", metadata={"help": "Transformers scheduler name (cosine, linear, constant_with_warmup, ...)."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Gradient clipping (0 disables)."})
+    mixed_precision: str = field(default="no", metadata={"help": "no, bf16 or fp16 (where the hardware has it)."})
+    seed: int = field(default=0, metadata={"help": "Seed for initialisation, data order and dropout."})
+
+    # ---- evaluation, logging, checkpoints
+    eval_steps: int = field(default=50, metadata={"help": "Evaluate every N steps (and at the end)."})
+    eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (0: all)."})
+    logging_steps: int = field(default=1, metadata={"help": "Log metrics every N steps."})
+    checkpointing_steps: int = field(default=0, metadata={"help": "Save Accelerate state every N steps (0: never)."})
+    resume: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder to continue from."})
+    report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata={"help": "Trackers: jsonl plus any Accelerate tracker (tensorboard, wandb, ...)."})
+    plots: bool = field(default=True, metadata={"help": "Write PNG plots of loss and expert load at the end."})
+    push_to_hub: bool = field(default=False, metadata={"help": "Push the final model to the Hub."})
+    hub_model_id: str | None = field(default=None, metadata={"help": "Hub repository (default: output_dir's name)."})
+
+    # ---- parallelism beyond data parallel (hf_ppmoe.parallel)
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts are spread over this group (PPMoE)."})
+    pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel stages."})
+
+    def __post_init__(self):
+        if self.train_file is not None and isinstance(self.train_file, str):
+            self.train_file = [self.train_file]
+        if self.validation_file is not None and isinstance(self.validation_file, str):
+            self.validation_file = [self.validation_file]
+        if isinstance(self.report_to, str):
+            self.report_to = [self.report_to]
+
+    def validate(self) -> None:
+        """Raise ValueError naming the argument and the fix, before any model or data is built."""
+        sources = [n for n in ("model_name_or_path", "config_name", "upcycle_from") if getattr(self, n)]
+        if len(sources) > 1:
+            raise ValueError(f"Give only one of --model_name_or_path, --config_name, --upcycle_from (got {', '.join(sources)}).")
+        for name in ("config_name",):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ValueError(f"--{name} {path} does not exist; pass a JSON file written by config.save_pretrained.")
+        for path in [*(self.train_file or []), *(self.validation_file or [])]:
+            if not Path(path).is_file():
+                raise ValueError(f"Data file {path} does not exist.")
+            if Path(path).suffix not in (".txt", ".jsonl", ".json"):
+                raise ValueError(f"Data file {path}: use .txt or .jsonl (one JSON object with a '{self.text_column}' field per line).")
+        if self.train_file and self.dataset_name:
+            raise ValueError("Give either --train_file or --dataset_name, not both.")
+        positive = ("block_size", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"--mixed_precision {self.mixed_precision!r}: use no, bf16 or fp16.")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+        if self.resume and self.resume != "latest" and not Path(self.resume).is_dir():
+            raise ValueError(f"--resume {self.resume}: no such checkpoint folder (or use --resume latest).")
+        if self.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+            raise ValueError(
+                "--push_to_hub was given but HF_HUB_OFFLINE is set: the Hub cannot be reached. Unset HF_HUB_OFFLINE "
+                "and log in (`hf auth login`), or drop --push_to_hub and upload the output folder later."
+            )
+
+    def check_model(self, config) -> None:
+        """Checks that need the model config (sizes that cannot work together)."""
+        max_positions = getattr(config, "max_position_embeddings", None)
+        if getattr(config, "position_embedding_type", "rotary") == "learned" and max_positions and self.block_size > max_positions:
+            raise ValueError(
+                f"--block_size {self.block_size} exceeds the model's max_position_embeddings={max_positions} "
+                "(learned positions); lower --block_size."
+            )
+        experts = getattr(config, "num_experts", None)
+        if self.tp_size > 1 and experts and experts % self.tp_size:
+            raise ValueError(
+                f"--tp_size {self.tp_size} does not divide num_experts={experts}: PPMoE spreads every MoE layer's "
+                f"experts evenly over the tensor-parallel group. Use a tp_size among the divisors of {experts}."
+            )
+        layers = getattr(config, "num_hidden_layers", None)
+        if self.pp_size > 1 and layers and layers < self.pp_size:
+            raise ValueError(f"--pp_size {self.pp_size} exceeds num_hidden_layers={layers}: each stage needs a layer.")
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=2, default=str)

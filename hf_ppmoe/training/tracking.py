@@ -1,0 +1,133 @@
+"""What a user watches during training: router statistics, a JSON-lines tracker for Accelerate, PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from accelerate.tracking import GeneralTracker
+
+from ..moe.layer import MoELayer
+
+
+class RouterMonitor:
+    """Forward hooks on every `MoELayer` that sum, per layer, the tokens each expert received and the routes the
+    router chose but capacity dropped, until `collect()` is called (no global state: one monitor per model)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()]
+        self.reset()
+
+    def _hook(self, name):
+        def hook(module, inputs, output):
+            routing = output[1]
+            if routing.tokens_per_expert is None:  # losses/statistics were not computed (inference)
+                return
+            self.tokens[name] = self.tokens.get(name, 0) + routing.tokens_per_expert.detach().float()
+            self.dropped[name] = self.dropped.get(name, 0) + routing.dropped_fraction.detach().float()
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+        return hook
+
+    def reset(self):
+        self.tokens, self.dropped, self.calls = {}, {}, {}
+
+    def collect(self, reduce=lambda t: t) -> dict[str, float]:
+        """Per layer: coefficient of variation of expert load (0 = perfectly balanced) and dropped-route fraction.
+        `reduce` sums a tensor over data-parallel processes (e.g. accelerator.reduce)."""
+        metrics = {}
+        for name, tokens in self.tokens.items():
+            tokens = reduce(tokens)
+            short = name.removeprefix("model.").removesuffix(".mlp")
+            metrics[f"expert_load_cv/{short}"] = (tokens.std(unbiased=False) / tokens.mean().clamp(min=1e-9)).item()
+            metrics[f"dropped_fraction/{short}"] = (reduce(self.dropped[name]) / reduce(torch.tensor(float(self.calls[name])))).item()
+        self.reset()
+        return metrics
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+class JSONLinesTracker(GeneralTracker):
+    """An Accelerate tracker writing one JSON object per `log` call to `<logging_dir>/metrics.jsonl`.
+
+    On resume, entries after the resumed step are dropped first, so the file reads as one uninterrupted run."""
+
+    name = "jsonl"
+    requires_logging_directory = True
+    main_process_only = True
+
+    def __init__(self, run_name: str, logging_dir: str, resume_step: int | None = None):
+        super().__init__()
+        self.path = Path(logging_dir) / "metrics.jsonl"
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            self.path.write_text("")
+        elif self.path.exists():
+            kept = [line for line in read_jsonl(self.path) if line.get("step", 0) <= resume_step]
+            self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+
+    @property
+    def tracker(self):
+        return self.path
+
+    def store_init_configuration(self, values: dict):
+        (self.path.parent / "run_config.json").write_text(json.dumps(values, indent=2, default=str))
+
+    def log(self, values: dict, step: int | None = None, **kwargs):
+        record = {"step": step, **{k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in values.items()}}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def plot_training(metrics_path, out_dir) -> list[Path]:
+    """loss.png (train and eval loss) and expert_load.png (load CV per MoE layer) from the metrics log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_jsonl(metrics_path)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+
+    def series(key):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        return ([s for s, _ in points], [v for _, v in points]) if points else None
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("train/lm_loss", "train LM loss"), ("eval/loss", "eval loss")):
+        if (s := series(key)) is not None:
+            ax.plot(*s, label=label, marker="o" if key.startswith("eval") else None)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss.png", dpi=120)
+    plt.close(fig)
+    written.append(out_dir / "loss.png")
+
+    layers = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("expert_load_cv/")})
+    if layers:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for layer in layers:
+            ax.plot(*series(f"expert_load_cv/{layer}"), label=layer)
+        ax.set_xlabel("step")
+        ax.set_ylabel("expert load coefficient of variation")
+        ax.set_title("expert load per MoE layer (0 = balanced)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / "expert_load.png", dpi=120)
+        plt.close(fig)
+        written.append(out_dir / "expert_load.png")
+    return written

@@ -1,0 +1,287 @@
+"""Causal-LM training of GPT-MoE (and of dense Transformers baselines) with Accelerate: `main(args)`.
+
+Order of work (STYLE lesson 12): check arguments -> data and tokenizer -> build, load or upcycle the model ->
+apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) -> save, plot, push.
+
+Data order is a pure function of (seed, step): the global batch of step s is the s-th slice of per-epoch seeded
+permutations, cut into micro-batches and data-parallel shards. Together with Accelerate's saved optimizer,
+scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+
+from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from .arguments import TrainArguments
+from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .tracking import JSONLinesTracker, RouterMonitor, plot_training
+
+CHECKPOINT_PREFIX = "step_"
+
+
+def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
+    if args.train_file:
+        train = read_text_files(args.train_file, args.text_column)
+    elif args.dataset_name:
+        train = read_dataset(args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+    else:
+        train = builtin_corpus()
+    validation = read_text_files(args.validation_file, args.text_column) if args.validation_file else None
+    if not train:
+        raise ValueError("The training data has no documents.")
+    return train, validation
+
+
+def load_tokenizer(args: TrainArguments, texts: list[str]):
+    source = args.tokenizer_name or args.model_name_or_path or args.upcycle_from
+    if source:
+        try:
+            return AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError):
+            if args.tokenizer_name:
+                raise
+    return train_tokenizer(texts)  # a model trained from scratch gets a BPE tokenizer fitted to its data
+
+
+def build_model(args: TrainArguments, tokenizer):
+    """Our GPT-MoE (loaded, from a config, upcycled, or the default small one), or any Transformers causal LM (a
+    dense baseline trained by the same script; it simply has no router metrics)."""
+    if args.model_name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+    elif args.upcycle_from:
+        from ..conversion import upcycle
+
+        model = upcycle(
+            args.upcycle_from,
+            num_experts=args.num_experts,
+            num_experts_per_tok=args.num_experts_per_tok,
+            router_type=args.router_type,
+            router_init=args.router_init,
+            noise_std=args.expert_noise_std,
+            seed=args.seed,
+        )
+    elif args.config_name:  # any causal-LM config.json (model_type decides the class), with the tokenizer's ids
+        config = AutoConfig.from_pretrained(args.config_name)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            setattr(config, name, getattr(tokenizer, name))
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = GPTMoEForCausalLM(
+            GPTMoEConfig(
+                vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
+                num_attention_heads=4, max_position_embeddings=max(512, args.block_size),
+                num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok, router_type=args.router_type,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+            )
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder; this script trains causal LMs on packed text. Fine-tune "
+            "Seq2Seq-MoE with transformers' Seq2SeqTrainer on (source, target) pairs."
+        )
+    if len(tokenizer) > model.config.vocab_size:
+        raise ValueError(
+            f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
+            "use the model's own tokenizer (--tokenizer_name) or resize the embeddings first."
+        )
+    return model
+
+
+def batch_indices(step: int, micro: int, process: int, args: TrainArguments, world: int, n_blocks: int) -> torch.Tensor:
+    """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
+    b = args.per_device_train_batch_size
+    start = (step * args.gradient_accumulation_steps + micro) * world * b + process * b
+    positions = torch.arange(start, start + b)
+    epochs, offsets = positions // n_blocks, positions % n_blocks
+    rows = torch.empty(b, dtype=torch.long)
+    for epoch in epochs.unique().tolist():
+        perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
+        rows[epochs == epoch] = perm[offsets[epochs == epoch]]
+    return rows
+
+
+def find_checkpoint(args: TrainArguments) -> Path | None:
+    if not args.resume:
+        return None
+    if args.resume != "latest":
+        return Path(args.resume)
+    done = sorted(Path(args.output_dir, "checkpoints").glob(f"{CHECKPOINT_PREFIX}*[0-9]"), key=lambda p: int(p.name.split("_")[1]))
+    done = [p for p in done if (p / "trainer_state.json").exists()]
+    if not done:
+        raise ValueError(f"--resume latest: no complete checkpoint in {args.output_dir}/checkpoints.")
+    return done[-1]
+
+
+def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int) -> None:
+    """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint)."""
+    root = Path(args.output_dir, "checkpoints")
+    final, staging = root / f"{CHECKPOINT_PREFIX}{step}", root / f"{CHECKPOINT_PREFIX}{step}.saving"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(staging))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
+        shutil.rmtree(final, ignore_errors=True)
+        staging.rename(final)
+    accelerator.wait_for_everyone()
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator) -> dict[str, float]:
+    """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across processes."""
+    model.eval()
+    b = args.per_device_train_batch_size
+    batches = list(range(0, len(blocks), b))
+    if args.eval_batches:
+        batches = batches[: args.eval_batches]
+    total = torch.zeros(2, device=accelerator.device)
+    for i in batches[accelerator.process_index :: accelerator.num_processes]:
+        batch = blocks[i : i + b].to(accelerator.device)
+        logits = model(batch).logits.float()
+        total[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
+        total[1] += batch[:, 1:].numel()
+    total = accelerator.reduce(total, reduction="sum")
+    model.train()
+    loss = (total[0] / total[1].clamp(min=1)).item()
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def main(args: TrainArguments) -> dict:
+    """Train; returns a summary (final step, eval loss, output folder). See `python -m hf_ppmoe.training --help`."""
+    args.validate()
+    checkpoint = find_checkpoint(args)
+    resume_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"] if checkpoint else None
+    output_dir = Path(args.output_dir)
+    trackers = [JSONLinesTracker("hf-ppmoe", str(output_dir / "logs"), resume_step)]
+    trackers += [name for name in args.report_to if name != "jsonl"]
+    accelerator = Accelerator(
+        # without an accelerator, say so: Accelerate only recognises several CPU processes (torchrun) as data
+        # parallel when told it runs on the CPU
+        cpu=not torch.accelerator.is_available(),
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        # max_steps counts optimizer steps of the global batch: the schedule advances once per step, whatever the
+        # number of processes (by default Accelerate would step it once per process)
+        step_scheduler_with_optimizer=False,
+        log_with=trackers,
+        project_dir=str(output_dir),
+    )
+    set_seed(args.seed)
+
+    train_texts, val_texts = load_texts(args)
+    tokenizer = load_tokenizer(args, train_texts)
+    blocks = pack(train_texts, tokenizer, args.block_size)
+    if val_texts is not None:
+        val_blocks = pack(val_texts, tokenizer, args.block_size)
+    else:
+        n_val = max(1, len(blocks) // 20)
+        blocks, val_blocks = blocks[:-n_val], blocks[-n_val:]
+    if len(blocks) == 0:
+        raise ValueError(f"Not enough training text for one block of {args.block_size} tokens after holding out validation.")
+
+    model = build_model(args, tokenizer)
+    args.check_model(model.config)
+    if args.tp_size > 1 or args.pp_size > 1:
+        raise ValueError("--tp_size/--pp_size need hf_ppmoe.parallel, which this build does not include yet.")
+    model.train()
+    monitor = RouterMonitor(model)
+
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+    )
+    scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.init_trackers("hf-ppmoe", config=json.loads(args.to_json()))
+    start_step = 0
+    if checkpoint is not None:
+        accelerator.load_state(str(checkpoint))
+        start_step = resume_step
+        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+
+    config = accelerator.unwrap_model(model).config
+    world, rank = accelerator.num_processes, accelerator.process_index
+    tokens_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps * args.block_size
+    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+               disable=not accelerator.is_local_main_process, desc="training", dynamic_ncols=True)
+    clock, eval_metrics = time.perf_counter(), {}
+    for step in bar:
+        sums = torch.zeros(3, device=accelerator.device)  # lm, aux, z (means over micro-steps)
+        grad_norm = None
+        for micro in range(args.gradient_accumulation_steps):
+            batch = blocks[batch_indices(step, micro, rank, args, world, len(blocks))].to(accelerator.device)
+            with accelerator.accumulate(model):
+                out = model(batch, labels=batch)
+                accelerator.backward(out.loss)
+                if accelerator.sync_gradients:
+                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
+            aux = aux.detach() if aux is not None else torch.zeros((), device=accelerator.device)
+            z = z.detach() if z is not None else torch.zeros((), device=accelerator.device)
+            lm = out.loss.detach() - getattr(config, "router_aux_loss_coef", 0) * aux - getattr(config, "router_z_loss_coef", 0) * z
+            sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
+        scheduler.step()
+        done = step + 1
+        sums = accelerator.reduce(sums, reduction="mean")
+        router = monitor.collect(lambda t: accelerator.reduce(t.to(accelerator.device), reduction="sum"))
+        elapsed = time.perf_counter() - clock
+        clock = time.perf_counter()
+        if done % args.eval_steps == 0 or done == args.max_steps:
+            eval_metrics = evaluate(model, val_blocks, args, accelerator)
+            accelerator.log(eval_metrics, step=done)
+        if done % args.logging_steps == 0 or done == args.max_steps:
+            metrics = {
+                "train/lm_loss": sums[0].item(), "train/aux_loss": sums[1].item(), "train/z_loss": sums[2].item(),
+                "train/grad_norm": grad_norm.item(), "train/lr": scheduler.get_last_lr()[0],
+                "train/tokens_per_second": tokens_per_step / elapsed, **router,
+            }
+            accelerator.log(metrics, step=done)
+        bar.set_postfix(loss=f"{sums[0].item():.3f}", aux=f"{sums[1].item():.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
+        if args.checkpointing_steps and done % args.checkpointing_steps == 0:
+            save_checkpoint(accelerator, args, done)
+
+    accelerator.wait_for_everyone()
+    monitor.remove()
+    unwrapped = accelerator.unwrap_model(model)
+    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    if accelerator.is_main_process:
+        tokenizer.save_pretrained(output_dir)
+        if args.plots:
+            plot_training(output_dir / "logs" / "metrics.jsonl", output_dir / "plots")
+    accelerator.end_training()
+    if args.push_to_hub and accelerator.is_main_process:
+        push(unwrapped, tokenizer, args)
+    accelerator.print(f"saved to {output_dir.resolve()}")
+    return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
+
+
+def push(model, tokenizer, args: TrainArguments) -> None:
+    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
+    try:
+        model.push_to_hub(repo_id)
+        tokenizer.push_to_hub(repo_id)
+    except Exception as error:  # network, authentication, offline mode: say what to do
+        raise RuntimeError(
+            f"Pushing to the Hub repository {repo_id!r} failed ({type(error).__name__}: {error}). The trained model is "
+            f"saved in {args.output_dir}; log in with `hf auth login` and upload it with `hf upload {repo_id} {args.output_dir}`."
+        ) from error

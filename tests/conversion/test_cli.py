@@ -1,0 +1,62 @@
+"""`hf-ppmoe upcycle|merge|import SRC OUT`: in-process through `main`, and once as a real command."""
+
+import os
+import subprocess
+import sys
+
+import torch
+from converters import SAMPLE_TEXTS, assert_same_outputs, read_tensors
+from transformers import AutoModelForCausalLM
+
+from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe.cli import main
+
+
+def test_upcycle_then_merge_round_trip(dense, tmp_path):
+    model, folder = dense("gpt2")
+    args = ["--num_experts", "4", "--router_type", "switch", "--moe_layers", "0", "1", "--max_shard_size", "30KB"]
+    assert main(["upcycle", str(folder), str(tmp_path / "moe"), *args]) == 0
+    moe = GPTMoEForCausalLM.from_pretrained(tmp_path / "moe")
+    assert moe.config.router_type == "switch" and all(layer.is_moe for layer in moe.model.layers)
+    assert len(list((tmp_path / "moe").glob("model-*-of-*.safetensors"))) > 1
+    assert_same_outputs(model, moe)
+
+    assert main(["merge", str(tmp_path / "moe"), str(tmp_path / "dense")]) == 0
+    original, merged = read_tensors(folder), read_tensors(tmp_path / "dense")
+    assert merged.keys() == original.keys() and all(torch.equal(merged[k], v) for k, v in original.items())
+
+
+def test_hidden_router_and_usage_merge_from_a_file(dense, tmp_path):
+    model, folder = dense("llama")
+    texts = tmp_path / "texts.txt"
+    texts.write_text("\n".join(SAMPLE_TEXTS) + "\n")
+    assert main(["upcycle", str(folder), str(tmp_path / "moe"), "--num_experts", "4", "--router_init", "hidden",
+                 "--sample_file", str(texts)]) == 0
+    moe = GPTMoEForCausalLM.from_pretrained(tmp_path / "moe")
+    torch.testing.assert_close(moe.model.layers[1].mlp.gate.weight.norm(dim=-1), torch.ones(4))
+    assert_same_outputs(model, moe)
+    assert main(["merge", str(tmp_path / "moe"), str(tmp_path / "dense"), "--method", "usage", "--sample_file", str(texts)]) == 0
+    assert_same_outputs(model, AutoModelForCausalLM.from_pretrained(tmp_path / "dense"))
+
+
+def test_import_mixtral(dense, tmp_path):
+    mixtral, folder = dense("mixtral")
+    assert main(["import", str(folder), str(tmp_path / "moe")]) == 0
+    assert_same_outputs(mixtral, GPTMoEForCausalLM.from_pretrained(tmp_path / "moe"))
+
+
+def test_errors_are_reported_not_raised(dense, tmp_path, capsys):
+    _, folder = dense("mixtral")
+    assert main(["upcycle", str(folder), str(tmp_path / "out")]) == 1
+    assert "use import_moe" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_real_command_shows_progress(dense, tmp_path):
+    model, folder = dense("mistral")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "hf_ppmoe.cli", "upcycle", str(folder), str(tmp_path / "moe"), "--num_experts", "2"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "writing tensors: 100%" in result.stderr and f"wrote {tmp_path / 'moe'}" in result.stdout
+    assert_same_outputs(model, GPTMoEForCausalLM.from_pretrained(tmp_path / "moe"))

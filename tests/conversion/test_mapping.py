@@ -1,0 +1,86 @@
+"""The name tables and their ops: every table maps a real Transformers checkpoint and its inverse maps it back."""
+
+import pytest
+import torch
+from converters import build_dense, dense_config
+
+from hf_ppmoe.conversion import ARCHITECTURES, ConversionError, Mapping, Rule
+from hf_ppmoe.conversion.io import model_tensors
+from hf_ppmoe.conversion.mapping import Chain, Concat, DictSource, Merge, Replicate, Scale, Split, Stack, Transpose, rename
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "qwen2", "mixtral"])
+def test_table_then_inverse_is_the_identity(arch):
+    source = model_tensors(build_dense(arch))
+    mapping = ARCHITECTURES[arch].mapping(dense_config(arch))
+    forward = mapping.apply(source)
+    assert not set(forward.keys()) & {"transformer.wte.weight", "model.layers.0.block_sparse_moe.gate.weight"}
+    back = mapping.inverse().apply(DictSource({k: forward.get(k) for k in forward.keys()}))
+    assert sorted(back.keys()) == sorted(source.keys())
+    for name in source.keys():
+        assert torch.equal(back.get(name), source.get(name)), name
+
+
+def test_gpt2_table_splits_and_transposes_c_attn():
+    model = build_dense("gpt2")
+    tensors = ARCHITECTURES["gpt2"].mapping(model.config).apply(model_tensors(model))
+    c_attn = model.transformer.h[1].attn.c_attn
+    x = torch.randn(3, 32)
+    q = torch.nn.functional.linear(x, tensors.get("model.layers.1.self_attn.q_proj.weight"), tensors.get("model.layers.1.self_attn.q_proj.bias"))
+    v = torch.nn.functional.linear(x, tensors.get("model.layers.1.self_attn.v_proj.weight"), tensors.get("model.layers.1.self_attn.v_proj.bias"))
+    torch.testing.assert_close(torch.cat([q, v], -1), c_attn(x)[:, list(range(32)) + list(range(64, 96))])
+
+
+@pytest.mark.parametrize(
+    "op, inputs",
+    [
+        (Chain(Transpose(), Split(0, 3)), [torch.randn(4, 12)]),
+        (Chain(Stack(2), Concat(1, 2)), [torch.randn(3, 5) for _ in range(6)]),
+        (Chain(Scale(4.0), Replicate(4)), [torch.randn(5, 3)]),
+        (Chain(Scale(0.5), Replicate(3)), [torch.randn(5, 3)]),  # mean of 3 identical copies: exact in float64
+        (Replicate(3, merge_weights=(0.25, 0.25, 0.5)), [torch.randn(5, 3, dtype=torch.bfloat16)]),
+    ],
+)
+def test_ops_invert_exactly(op, inputs):
+    outputs = op(inputs)
+    back = op.inverse()(outputs)
+    assert len(back) == len(inputs) and all(torch.equal(a, b) for a, b in zip(back, inputs))
+
+
+def test_merge_is_a_weighted_mean_and_picks_exact_bits():
+    x = torch.randn(3, 4, 5)
+    torch.testing.assert_close(Merge((0.5, 0.25, 0.25))([x])[0], 0.5 * x[0] + 0.25 * x[1] + 0.25 * x[2])
+    assert torch.equal(Merge((0.0, 1.0, 0.0))([x])[0], x[1])
+
+
+def test_noise_is_per_expert_and_seeded():
+    x = torch.zeros(4, 4)
+    a, b = Replicate(3, noise_std=0.1, seed=1)([x])[0], Replicate(3, noise_std=0.1, seed=1)([x])[0]
+    assert torch.equal(a, b) and not torch.equal(a[0], a[1])
+    assert not torch.equal(a, Replicate(3, noise_std=0.1, seed=2)([x])[0])
+
+
+def test_layers_and_experts_expand():
+    rules = [Rule(("l.{i}.e.{e}.w",), ("l.{i}.w",), Stack(1))]
+    mapping = Mapping(rules, num_layers=2, num_experts=3)
+    assert [(i.sources, i.targets) for i in mapping.instances()] == [
+        (("l.0.e.0.w", "l.0.e.1.w", "l.0.e.2.w"), ("l.0.w",)),
+        (("l.1.e.0.w", "l.1.e.1.w", "l.1.e.2.w"), ("l.1.w",)),
+    ]
+
+
+def test_missing_and_unexpected_tensors_are_named():
+    mapping = Mapping([rename("a", "x"), rename("b", "y")])
+    with pytest.raises(ConversionError, match="missing from the source checkpoint: b"):
+        mapping.apply(DictSource({"a": torch.ones(1)}))
+    with pytest.raises(ConversionError, match="no place for: c"):
+        mapping.apply(DictSource({"a": torch.ones(1), "b": torch.ones(1), "c": torch.ones(1)}))
+    passthrough = Mapping([rename("a", "x")], passthrough=True).apply(DictSource({"a": torch.ones(1), "c": torch.zeros(1)}))
+    assert passthrough.keys() == ["x", "c"]
+
+
+def test_a_failing_op_names_its_source_tensors():
+    mapping = Mapping([Rule(("qkv",), ("q", "k", "v"), Split(0, 3))])
+    tensors = mapping.apply(DictSource({"qkv": torch.ones(10)}, "ckpt"))
+    with pytest.raises(ConversionError, match=r"qkv \[10\] in ckpt into q, k, v"):
+        tensors.get("q")
