@@ -162,8 +162,9 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """Transformers' `save_pretrained`, written into a temporary folder first and moved into place only once
-        complete (a failed save leaves the target untouched), plus the code for `trust_remote_code=True`."""
-        if not is_main_process:
+        complete (a failed save leaves the target untouched), plus the code for `trust_remote_code=True`. With
+        torch.distributed initialized only rank 0 writes; the other ranks take part in gathering split weights."""
+        if not self.should_save_on_this_rank(is_main_process):
             return super().save_pretrained(save_directory, *args, is_main_process=False, **kwargs)
         target = Path(save_directory)
         if target.is_file():

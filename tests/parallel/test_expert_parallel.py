@@ -67,3 +67,10 @@ def test_dead_rank_fails_fast(two_ranks):
     result = two_ranks("dead_rank_fails_fast", rank=0)
     assert "peer" in result["error"]  # "Connection closed by peer" / "reset by peer"
     assert result["seconds"] < 10  # the group's timeout is 30 s
+
+
+def test_save_pretrained_after_parallelize(two_ranks):
+    """Every rank calls save_pretrained on the split model; rank 0 writes it whole, and it loads in one process."""
+    for rank in two_ranks("save_after_parallelize"):
+        assert rank["params"] == 0.0
+        assert "model.safetensors" in rank["files"]

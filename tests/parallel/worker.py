@@ -192,6 +192,20 @@ def transformers_entry_points():
 
 
 @job("two")
+def save_after_parallelize():
+    """save_pretrained on every rank of a split model writes the whole model once; it loads in one process."""
+    settings = GATES["topk_dropless_einsum"]
+    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "saved_split")
+    model = parallelize(build(**settings), dist.group.WORLD)
+    lm_step(model, *batch())  # one training step first, so the saved weights are not the initial ones
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.save_pretrained(path)
+    dist.barrier()
+    loaded = GPTMoEForCausalLM.from_pretrained(path)
+    return {"params": max_diff(model, loaded, what="param"), "files": sorted(os.listdir(path))}
+
+
+@job("two")
 def communication_per_layer():
     """Collectives and bytes of one layer's forward and backward, per module: attention, dense FFN, MoE layer."""
     results = {}
