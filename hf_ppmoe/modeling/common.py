@@ -6,6 +6,8 @@ they import with `from .name import ...` from the same folder. Our modules live 
 (`hf_ppmoe/moe/...`, `hf_ppmoe/modeling/...`), so `save_pretrained` writes a flattened copy of every module the
 model needs (`hf_ppmoe/moe/layer.py` -> `moe_layer.py`, imports rewritten to `from .moe_layer import ...`) and the
 `auto_map` that points at them. The same code runs again from such a flattened folder, where names are already flat.
+It also writes `custom_generate/generate.py` (flat beam search), which Transformers picks up with
+`trust_remote_code=True`.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers import initialization as init
 
+from ..generation.flat_beam_search import generate as flat_beam_generate
 from ..moe.experts import Experts
 from ..moe.gates import Gate
 
@@ -90,6 +93,15 @@ def write_remote_code(folder: str | os.PathLike, module_names: list[str]) -> lis
     for name, source in written.items():
         Path(folder, f"{_flat_name(name)}.py").write_text(source, encoding="utf-8")
     return [f"{_flat_name(n)}.py" for n in written]
+
+
+def write_custom_generate(folder: str | os.PathLike) -> None:
+    """`custom_generate/generate.py`: flat beam search, whose module imports only torch and transformers."""
+    source = Path(sys.modules[flat_beam_generate.__module__].__file__).read_text(encoding="utf-8")
+    if _RELATIVE_IMPORT.search(source):
+        raise ImportError("custom_generate/generate.py must be self-contained (no relative imports)")
+    Path(folder, "custom_generate").mkdir(exist_ok=True)
+    Path(folder, "custom_generate", "generate.py").write_text(source, encoding="utf-8")
 
 
 def add_remote_code(folder: str | os.PathLike, model_class: type, config) -> None:
@@ -175,6 +187,7 @@ class MoEPreTrainedModel(PreTrainedModel):
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
         try:
             add_remote_code(staging, type(self), self.config)
+            write_custom_generate(staging)
             result = super().save_pretrained(staging, *args, **kwargs)
             target.mkdir(exist_ok=True)
             new_files = {p.name for p in staging.iterdir()}

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache
-from transformers.generation import GenerationMixin
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -21,6 +20,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_u
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.integrations.sdpa_attention import repeat_kv
 
+from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
 from .common import MoEPreTrainedModel, build_norm, mean_router_losses
@@ -284,7 +284,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         )
 
 
-class GPTMoEForCausalLM(GPTMoEPreTrainedModel, GenerationMixin):
+class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}

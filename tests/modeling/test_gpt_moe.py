@@ -203,7 +203,10 @@ def test_saved_remote_code_can_be_saved_again(tmp_path):
 def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypatch):
     model = make_model()
     model.save_pretrained(tmp_path / "ckpt")
-    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    def contents():
+        return {str(p.relative_to(tmp_path)): p.read_bytes() for p in (tmp_path / "ckpt").rglob("*") if p.is_file()}
+
+    before = contents()
 
     def explode(*args, **kwargs):
         raise OSError("disk full")
@@ -213,8 +216,7 @@ def test_failed_save_leaves_the_previous_checkpoint_untouched(tmp_path, monkeypa
         model.lm_head.weight.add_(1.0)
     with pytest.raises(OSError, match="disk full"):
         model.save_pretrained(tmp_path / "ckpt")
-    after = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
-    assert after == before
+    assert contents() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]  # no staging folder left behind
 
 

@@ -1,0 +1,127 @@
+"""Router statistics through `generate`: `output_router_logits=True, return_dict_in_generate=True` adds, per
+generation step, the router logits and the chosen experts of every MoE layer to generate's output.
+
+    out = model.generate(ids, max_new_tokens=8, output_router_logits=True, return_dict_in_generate=True)
+    out.router_logits[step][layer]       # [tokens of that step's forward, E], before the softmax
+    out.router_expert_ids[step][layer]   # [tokens of that step's forward, k]; `num_experts` = route dropped
+
+A step is one forward of the model, so it works for every decoding method (greedy, sampling, beam search, flat
+beam search, custom ones). Step 0 is the prefill: every prompt token, padding included, rows in the order of the
+flattened `[rows, prompt length]` input (Transformers' beam search runs each prompt `num_beams` times, flat beam
+search once). Later steps hold one token per row that the model ran: `batch` rows for greedy and sampling,
+`batch * num_beams` in the order of the running beams for (flat) beam search; map them to the returned
+hypotheses with `beam_indices`.
+
+The routing is recorded with forward hooks on the MoE layers: `output_router_logits` never reaches the model's
+forward (which would compute router losses for every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation import (
+    GenerateBeamDecoderOnlyOutput,
+    GenerateBeamEncoderDecoderOutput,
+    GenerateDecoderOnlyOutput,
+    GenerateEncoderDecoderOutput,
+    GenerationMixin,
+)
+
+from ..moe.layer import MoELayer
+
+RouterSteps = tuple[tuple[torch.Tensor, ...], ...]
+
+
+@dataclass
+class MoEGenerateDecoderOnlyOutput(GenerateDecoderOnlyOutput):
+    """`router_logits[step][layer]` [tokens, E] and `router_expert_ids[step][layer]` [tokens, k]."""
+
+    router_logits: RouterSteps | None = None
+    router_expert_ids: RouterSteps | None = None
+
+
+@dataclass
+class MoEGenerateBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
+    router_logits: RouterSteps | None = None
+    router_expert_ids: RouterSteps | None = None
+
+
+@dataclass
+class MoEGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    router_logits: RouterSteps | None = None
+    router_expert_ids: RouterSteps | None = None
+
+
+@dataclass
+class MoEGenerateBeamEncoderDecoderOutput(GenerateBeamEncoderDecoderOutput):
+    router_logits: RouterSteps | None = None
+    router_expert_ids: RouterSteps | None = None
+
+
+_WITH_ROUTING = {
+    GenerateDecoderOnlyOutput: MoEGenerateDecoderOnlyOutput,
+    GenerateBeamDecoderOnlyOutput: MoEGenerateBeamDecoderOnlyOutput,
+    GenerateEncoderDecoderOutput: MoEGenerateEncoderDecoderOutput,
+    GenerateBeamEncoderDecoderOutput: MoEGenerateBeamEncoderDecoderOutput,
+}
+
+
+class RoutingRecorder:
+    """Context manager: while active, every forward of `model` is a step and every MoE layer under `stack` (the
+    model by default; a decoder for encoder-decoders) appends its router logits and expert ids to that step."""
+
+    def __init__(self, model: torch.nn.Module, stack: torch.nn.Module | None = None):
+        self.model = model
+        self.layers = [m for m in (stack or model).modules() if isinstance(m, MoELayer)]
+        self.logits: list[list[torch.Tensor]] = []
+        self.expert_ids: list[list[torch.Tensor]] = []
+        self.handles = []
+
+    def _new_step(self, module, args):
+        self.logits.append([])
+        self.expert_ids.append([])
+
+    def _record(self, module, args, output):
+        routing = output[1]
+        if self.logits:  # calls outside a forward of the model (an encoder run by generate) are not steps
+            self.logits[-1].append(routing.router_logits.detach())
+            self.expert_ids[-1].append(routing.expert_ids.detach())
+
+    def __enter__(self):
+        self.handles.append(self.model.register_forward_pre_hook(self._new_step))
+        self.handles += [layer.register_forward_hook(self._record) for layer in self.layers]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def steps(self) -> tuple[RouterSteps, RouterSteps]:
+        return tuple(map(tuple, self.logits)), tuple(map(tuple, self.expert_ids))
+
+
+class MoEGenerationMixin(GenerationMixin):
+    """`GenerationMixin` whose `generate` also takes `output_router_logits=True` (see the module docstring)."""
+
+    def generate(self, *args, output_router_logits: bool = False, **kwargs):
+        if not output_router_logits:
+            return super().generate(*args, **kwargs)
+        config = kwargs.get("generation_config") or self.generation_config
+        if not kwargs.get("return_dict_in_generate", config.return_dict_in_generate):
+            raise ValueError("generate(output_router_logits=True) also needs return_dict_in_generate=True: the "
+                             "router statistics are fields of the returned output.")
+        with RoutingRecorder(self, self._routing_stack()) as recorder:
+            out = super().generate(*args, **kwargs)
+        router_logits, router_expert_ids = recorder.steps()
+        cls = _WITH_ROUTING.get(type(out))
+        if cls is None:  # a custom generate's own output class
+            out["router_logits"], out["router_expert_ids"] = router_logits, router_expert_ids
+            return out
+        return cls(**out, router_logits=router_logits, router_expert_ids=router_expert_ids)
+
+    def _routing_stack(self) -> torch.nn.Module:
+        """The modules whose MoE layers are recorded per step (encoder-decoders: their decoder)."""
+        return self.get_decoder() if self.config.is_encoder_decoder else self
