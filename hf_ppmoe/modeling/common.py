@@ -146,6 +146,7 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Transformers' `maybe_distribute_model`, keeping a tied head tied (see `tied_head_kept`)."""
         with model.tied_head_kept():
             return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 

@@ -24,6 +24,7 @@ MOE_TP_PLAN = {
     "mlp.shared_expert.gate_proj": "colwise",
     "mlp.shared_expert.up_proj": "colwise",
     "mlp.shared_expert.down_proj": "rowwise",
+    "mlp.shared_expert": "replicated_input",
     "mlp": "ppmoe_ffn",
     **{f"mlp.experts.{name}": "grouped_gemm" for name in _EXPERT_PARAMS},
     "mlp.experts": "ppmoe_experts",

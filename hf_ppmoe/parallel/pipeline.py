@@ -85,9 +85,9 @@ class GPTMoEStage(nn.Module):
             base.norm, model.lm_head = nn.Identity(), None
         model.init_parallel_plans()  # the plans now name only what this stage holds
         self.model, self.is_first, self.is_last = model, is_first, is_last
-        self.router_loss_share = sum(isinstance(layer.mlp, MoELayer) for layer in base.layers) / max(
-            1, sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        )
+        moe_here = sum(isinstance(layer.mlp, MoELayer) for layer in base.layers)
+        moe_total = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+        self.router_loss_share = moe_here / max(1, moe_total)
         self.router_loss_grad_scale = 1 / num_microbatches
         self.router_losses: list[torch.Tensor] = []  # this step's, per microbatch (detached)
 

@@ -49,7 +49,7 @@ def _mesh(group_or_mesh, model) -> DeviceMesh:
     return DeviceMesh.from_group(group_or_mesh, device_type)
 
 
-def check_expert_split(config, tp_size: int) -> None:
+def _check_expert_split(config, tp_size: int) -> None:
     """ValueError naming the sizes when an MoE layer's experts cannot be split evenly over `tp_size` ranks."""
     if config.num_experts % tp_size:
         raise ValueError(
@@ -60,8 +60,8 @@ def check_expert_split(config, tp_size: int) -> None:
 
 
 def parallelize(model, tp):
-    """Split `model` (GPT-MoE or Seq2Seq-MoE, built or loaded) in place over the tensor-parallel group `tp` (a
-    `ProcessGroup` or a 1-D `DeviceMesh`) and return it.
+    """Split `model` (a GPT-MoE, built or loaded: any model whose config carries our plans) in place over the
+    tensor-parallel group `tp` (a `ProcessGroup` or a 1-D `DeviceMesh`) and return it.
 
     Every rank must pass a model with the same weights (same seed, or the same checkpoint): each keeps its own slice,
     nothing is broadcast. Parameters that are split become DTensors (`p.full_tensor()` / `p.grad.full_tensor()`
@@ -70,7 +70,7 @@ def parallelize(model, tp):
     """
     mesh = _mesh(tp, model)
     size = mesh.size()
-    check_expert_split(model.config, size)
+    _check_expert_split(model.config, size)
     if size == 1:
         return model
     config = DistributedConfig(tp_size=size)

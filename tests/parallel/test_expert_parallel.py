@@ -24,6 +24,7 @@ def test_tp_ep_equals_single_process_for_every_gate(two_ranks, gate):
     "way",
     [
         "maybe_distribute_model_ep_ppmoe",
+        "from_pretrained_ep_ppmoe",
         "from_pretrained_tp",
         "from_pretrained_tp_plan_auto",
         "transformers_all_reduce_ep",

@@ -145,9 +145,9 @@ def save_checkpoint(settings, path):
 
 @job("two")
 def transformers_entry_points():
-    """The same split through Transformers: DistributedConfig with ep_implementation="ppmoe" on a built model,
-    from_pretrained(distributed_config=DistributedConfig(tp_size=2)), from_pretrained(tp_plan="auto"), and
-    Transformers' own masked all-reduce EP on our model."""
+    """The same split through Transformers: DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe") on a
+    built model and in from_pretrained, from_pretrained(distributed_config=DistributedConfig(tp_size=2)) (PPMoE from
+    the tensor-parallel plan), from_pretrained(tp_plan="auto"), and Transformers' own all-reduce EP on our model."""
     from transformers import DistributedConfig
 
     settings = GATES["gshard_random_capacity"]
@@ -170,6 +170,11 @@ def transformers_entry_points():
     ways = {
         "maybe_distribute_model_ep_ppmoe": lambda: distributed(
             DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+        ),
+        "from_pretrained_ep_ppmoe": lambda: reseed(
+            GPTMoEForCausalLM.from_pretrained(
+                path, distributed_config=DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+            )
         ),
         "from_pretrained_tp": lambda: reseed(
             GPTMoEForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
