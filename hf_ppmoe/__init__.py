@@ -3,6 +3,7 @@
 Importing the package registers our configs and models with Transformers' Auto classes.
 """
 
+import torch.distributed
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from .modeling import (
@@ -13,6 +14,9 @@ from .modeling import (
     Seq2SeqMoEForConditionalGeneration,
     Seq2SeqMoEModel,
 )
+
+if torch.distributed.is_available():
+    from . import parallel  # registers the plan styles our configs name ("ppmoe_ffn", ...) with Transformers
 
 __version__ = "0.1.0"
 

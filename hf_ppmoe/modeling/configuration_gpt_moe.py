@@ -7,7 +7,7 @@ sliding window) exactly.
 
 from __future__ import annotations
 
-from .configuration_moe import MoEConfig, check
+from .configuration_moe import MOE_EP_PLAN, MOE_TP_PLAN, MoEConfig, check
 
 
 class GPTMoEConfig(MoEConfig):
@@ -27,6 +27,16 @@ class GPTMoEConfig(MoEConfig):
     model_type = "gpt_moe"
     keys_to_ignore_at_inference = ["past_key_values"]
     default_theta = 10000.0
+    # Transformers' parallel plans (keys relative to GPTMoEModel; styles "ppmoe_*" come from hf_ppmoe.parallel)
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.self_attn": "replicated_input",
+        **{f"layers.*.{key}": style for key, style in MOE_TP_PLAN.items()},
+    }
+    base_model_ep_plan = {f"layers.*.{key}": style for key, style in MOE_EP_PLAN.items()}
 
     vocab_size: int = 32000
     hidden_size: int = 768

@@ -10,6 +10,31 @@ from ..moe.gates import get_gate_class
 DISPATCH_IMPLEMENTATIONS = ("index", "einsum", "grouped_mm", "batched_mm")
 
 
+# Parallel plans of an FFN slot named `mlp` (a dense `MLP` or an `MoELayer`), in Transformers' plan strings; each
+# family prefixes them with its layer path. Tensor parallel: dense FFNs and the shared expert are split Megatron-style
+# (colwise in, rowwise out), MoE layers are PPMoE (experts split over the TP group). The "ppmoe_*" and
+# "replicated_input" styles are registered by hf_ppmoe/parallel (see expert_parallel.py, tensor_parallel.py).
+# Expert parallel (`DistributedConfig(ep_size=tp_size, ep_implementation="ppmoe")`): the same split through
+# Transformers' expert-parallel dispatch; these rules replace the tensor-parallel ones of the experts.
+_EXPERT_PARAMS = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
+MOE_TP_PLAN = {
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+    "mlp.shared_expert.gate_proj": "colwise",
+    "mlp.shared_expert.up_proj": "colwise",
+    "mlp.shared_expert.down_proj": "rowwise",
+    "mlp.shared_expert": "replicated_input",
+    "mlp": "ppmoe_ffn",
+    **{f"mlp.experts.{name}": "grouped_gemm" for name in _EXPERT_PARAMS},
+    "mlp.experts": "ppmoe_experts",
+}
+MOE_EP_PLAN = {
+    **{f"mlp.experts.{name}": "grouped_gemm" for name in _EXPERT_PARAMS},
+    "mlp.experts": "ep_dispatch_experts",
+}
+
+
 def check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)

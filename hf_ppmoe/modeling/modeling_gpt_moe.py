@@ -286,6 +286,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
 
 class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
     _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}
 
     def __init__(self, config: GPTMoEConfig):

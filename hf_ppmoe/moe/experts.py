@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-from .routing import positions_in_expert
+from .routing import group_size_for, positions_in_expert
 
 
 class MLP(nn.Module):
@@ -101,19 +101,13 @@ class Experts(nn.Module):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         return self._apply_gate(h) if self.has_gate else self.act_fn(h)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        expert_ids: torch.Tensor,
-        weights: torch.Tensor,
-        *,
-        group_size: int | None = None,
-        capacity: int | None = None,
-    ) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # exactly these three positional arguments: Transformers' expert-parallel wrapper calls it this way too
         if self.dispatch == "index":
             return index_dispatch(self, hidden_states, expert_ids, weights)
         if self.dispatch == "einsum":
-            return einsum_dispatch(self, hidden_states, expert_ids, weights, group_size, capacity)
+            group_size = group_size_for(len(hidden_states), self.config.router_num_groups)
+            return einsum_dispatch(self, hidden_states, expert_ids, weights, group_size)
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         return ALL_EXPERTS_FUNCTIONS[self.dispatch](self, hidden_states, expert_ids, weights)
@@ -276,13 +270,14 @@ def einsum_dispatch(
     x: torch.Tensor,
     expert_ids: torch.Tensor,
     weights: torch.Tensor,
-    group_size: int | None,
-    capacity: int | None,
+    group_size: int | None = None,
+    capacity: int | None = None,
 ) -> torch.Tensor:
-    """GShard Algorithm 2 with one-hot dispatch/combine tensors of static shape [G, S, E, C].
+    """GShard Algorithm 2 with one-hot dispatch/combine tensors of shape [G, S, E, C].
 
-    With a capacity, C is the gate's per-group capacity; dropless routing has no static bound, so C is the
-    largest per-group expert load of this batch.
+    C defaults to the largest per-group expert load of this batch: the gate has already applied any capacity (a
+    route over capacity arrives as the sentinel), so that is all the buffer has to hold. Pass the gate's capacity
+    for GShard's static shape.
     """
     T, K = expert_ids.shape
     E, H = experts.num_experts, x.shape[-1]

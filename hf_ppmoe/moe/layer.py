@@ -40,14 +40,15 @@ class MoELayer(nn.Module):
         x = hidden_states.reshape(-1, shape[-1])
         if token_mask is not None:
             token_mask = token_mask.reshape(-1).bool()
-        routing = self.gate(x, token_mask, compute_losses=compute_losses)
-        out = self.experts(
-            x,
-            routing.expert_ids,
-            routing.weights.to(x.dtype),
-            group_size=routing.group_size,
-            capacity=routing.capacity,
-        )
+        out, routing = self.route(x, token_mask, compute_losses)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(shape), routing
+
+    def route(
+        self, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool
+    ) -> tuple[torch.Tensor, Routing]:
+        """Gate + routed experts: x [T, H] -> (their output [T, H], Routing). Expert parallelism
+        (`hf_ppmoe.parallel`) wraps this method, the part of the layer it splits over ranks."""
+        routing = self.gate(x, token_mask, compute_losses=compute_losses)
+        return self.experts(x, routing.expert_ids, routing.weights.to(x.dtype)), routing

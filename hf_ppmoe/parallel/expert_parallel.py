@@ -1,0 +1,138 @@
+"""PPMoE expert parallelism (Pipeline-MoE, arXiv 2304.11414, Sec. 3.3 and Algorithm 1) inside Transformers' plans.
+
+The experts of every MoE layer are split evenly over the ranks of the tensor-parallel group: rank r holds the
+contiguous experts [r*E/N, (r+1)*E/N). Every rank holds the same hidden states (tensor parallelism guarantees it)
+and computes the same routing, so no token moves between ranks.
+
+Example: 4 experts on 2 ranks, top-2. Token t picks E1 (weight w1) and E2 (weight w2).
+
+    GPU                      0                           1
+    x [T, H]          [====== x ======]           [====== x ======]    the same tokens on both ranks
+                             │ copy_to: identity forward, all-reduce of the input gradient backward
+    gate                ids[t] = [1, 2]             ids[t] = [1, 2]      same weights, same random draws
+    local ids[t]          [1, 2*]                     [2*, 0]            2* = sentinel (other rank): skipped
+    experts              E0    E1                    E2    E3            index_select -> expert -> index_add into 0s
+    partial out[t]       w1 * E1(x_t)                w2 * E2(x_t)
+                             │ reduce_from: all-reduce forward, identity backward
+    out[t]                      w1 * E1(x_t) + w2 * E2(x_t) on both ranks
+
+Communication of one MoE layer: one all-reduce of [T, H] forward and one backward, as a tensor-parallel dense FFN.
+The backward one carries the input gradient of the expert path and of the router path together, because `copy_to`
+sits before the gate. The price is that the router's gradients are partial on each rank (a rank's routing weights
+get gradient only through its own experts), so the router weight [E, H] gradient is summed over the group in every
+backward pass: the only other communication (the paper's "synchronization of the gating parameters"). Values every
+rank computes identically and the loss consumes directly (the router aux / z losses, the router logits handed to the
+model output) would be counted N times by those sums, so their gradient is scaled by 1/N. Results equal the
+single-device layer up to float summation order.
+
+Two plan styles and one `EPImplementation` put this into Transformers' machinery (our configs name them):
+- "ppmoe_ffn" on the FFN slot (`layers.*.mlp`): on an MoE layer, wraps `MoELayer.route` with the above when its
+  experts are PPMoE-split, and gives every rank's router the same random generator in any case (jitter and GShard
+  random routing must draw the same numbers on replicated activations). A dense FFN gets "replicated_input"
+  (tensor_parallel.py): one all-reduce of [T, H] each way, the count PPMoE matches.
+- "ppmoe" in `EPImplementationInterface` (`DistributedConfig(ep_implementation="ppmoe")`): global expert ids to
+  this rank's local ids with the sentinel for the others. The experts' weights are split by "grouped_gemm".
+- "ppmoe_experts" does the same from a tensor-parallel plan, so `DistributedConfig(tp_size=N)` alone is PPMoE.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+from transformers.distributed.tensor_parallel import TensorParallelLayer
+
+from .comm import copy_to, reduce_from, scale_grad
+from .tensor_parallel import ReplicatedInputParallel
+
+
+class PPMoEExperts(EPImplementation):
+    """Runs this rank's experts on the routes that reach them; the MoE layer ("ppmoe_ffn") sums over ranks."""
+
+    needs_shared_batch = True
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        self.first_expert = ep_mesh.get_local_rank() * self.num_local_experts
+        experts._ppmoe_group = ep_mesh.get_group()  # tells the enclosing layer its experts' output is partial
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        n = self.num_local_experts
+        local = top_k_index - self.first_expert
+        local = local.masked_fill((local < 0) | (local >= n), n)  # the sentinel: skipped by the experts
+        return self.experts_forward(hidden_states, local, top_k_weights)
+
+
+def _sum_gradient_over(group):
+    def hook(grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    return hook
+
+
+def share_router_generator(gate, group, device_type: str) -> None:
+    """Make the router's random draws (jitter, GShard random routing) identical on every rank of `group`.
+
+    A router that already has a generator gets the state of the group's first rank; one without gets a generator
+    seeded from that rank on its first forward (on the device of its input). Every rank draws the candidate seed,
+    so their default generators stay in step."""
+    src = dist.get_global_rank(group, 0)
+    seed = torch.randint(0, 2**62, (1,), device=device_type)
+    dist.broadcast(seed, src=src, group=group)
+    gate._ppmoe_seed = int(seed.item())
+    if gate.generator is not None:
+        state = gate.generator.get_state().to(device_type)
+        dist.broadcast(state, src=src, group=group)
+        gate.generator.set_state(state.cpu())
+
+
+class PPMoEFFNParallel(ReplicatedInputParallel):
+    """Plan style "ppmoe_ffn" for the FFN slot: PPMoE on an MoE layer (see the module docstring); a dense FFN gets
+    "replicated_input", so its colwise projections share one input-gradient all-reduce."""
+
+    def install_forward(self, module, mesh):
+        if not callable(getattr(module, "route", None)):  # a dense FFN
+            return super().install_forward(module, mesh)
+        share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
+        module.route = _ppmoe_route(module, module.route)
+        return module
+
+
+def _ppmoe_route(layer, route):
+    gate = layer.gate
+
+    def ppmoe_route(x, token_mask, compute_losses):
+        if gate.generator is None and getattr(gate, "_ppmoe_seed", None) is not None:
+            gate.generator = torch.Generator(x.device).manual_seed(gate._ppmoe_seed)
+        group = getattr(layer.experts, "_ppmoe_group", None)
+        if group is None:  # whole experts on every rank, or another expert-parallel implementation
+            return route(x, token_mask, compute_losses)
+        if getattr(gate.weight, "_ppmoe_grad_group", None) is not group:  # parameters may be replaced by loading
+            gate.weight.register_hook(_sum_gradient_over(group))
+            gate.weight._ppmoe_grad_group = group
+        out, routing = route(copy_to(x, group), token_mask, compute_losses)
+        out = reduce_from(out, group)
+        n = dist.get_world_size(group)
+        routing.router_logits = scale_grad(routing.router_logits, 1 / n)
+        if routing.aux_loss is not None:
+            routing.aux_loss = scale_grad(routing.aux_loss, 1 / n)
+            routing.z_loss = scale_grad(routing.z_loss, 1 / n)
+        return out, routing
+
+    return ppmoe_route
+
+
+class PPMoEExpertsParallel(TensorParallelLayer):
+    """Plan style "ppmoe_experts": the experts module reached through `PPMoEExperts` on the tensor-parallel mesh."""
+
+    def install_forward(self, module, mesh):
+        dispatch = ALL_PARALLEL_STYLES["ep_dispatch_experts"]
+        return dispatch.install_forward(module, mesh, tp_mesh=mesh, ep_implementation="ppmoe")
+
+
+EPImplementationInterface.register("ppmoe", PPMoEExperts)
+ALL_PARALLEL_STYLES.register("ppmoe_ffn", PPMoEFFNParallel())
+ALL_PARALLEL_STYLES.register("ppmoe_experts", PPMoEExpertsParallel())

@@ -1,0 +1,378 @@
+"""Multi-process checks, run by `launch.run_job` under torchrun (gloo, CPU, OMP_NUM_THREADS=1):
+
+    python -m torch.distributed.run --nproc-per-node N tests/parallel/worker.py JOB OUT_DIR
+
+Every check of JOB runs on every rank, in order, and returns numbers (differences to the single-process model,
+collective counts, error messages); each rank writes them to OUT_DIR/rank{r}.json after every check. The tests
+(test_*.py in this folder) assert on them. Process start-up is the expensive part, so one job holds many checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from helpers import GPT2_STYLE, tiny_gpt_config  # noqa: E402
+
+from hf_ppmoe import GPTMoEForCausalLM  # noqa: E402
+from hf_ppmoe.parallel import Pipeline, count_collectives, init_distributed, make_mesh, parallelize  # noqa: E402
+
+JOBS: dict[str, list] = {"two": [], "four": []}
+LLAMA = {}
+# the gates of the proof: capacity-limited, random routing, jitter, groups, padding; alternate the two dense styles
+GATES = {
+    "gshard_random_capacity": dict(router_type="gshard", capacity_factor=1.0, router_num_groups=2, **LLAMA),
+    "switch_jitter_capacity": dict(
+        router_type="switch", num_experts_per_tok=1, capacity_factor=1.0, router_jitter_noise=0.1, **GPT2_STYLE
+    ),
+    "topk_capacity_shared": dict(router_type="topk", capacity_factor=0.5, shared_expert_intermediate_size=24),
+    "topk_dropless_einsum": dict(router_type="topk", dispatch="einsum", **GPT2_STYLE),
+    "prototype_capacity": dict(router_type="prototype", capacity_factor=0.75, shared_expert_intermediate_size=16),
+}
+ATOL = 2e-6
+
+
+def job(name):
+    def register(fn):
+        JOBS[name].append(fn)
+        return fn
+
+    return register
+
+
+def build(seed=0, **overrides):
+    """The same model on every rank (same seed), with seeded router generators (jitter / random routing)."""
+    torch.manual_seed(seed)
+    model = GPTMoEForCausalLM(tiny_gpt_config(**overrides)).train()
+    for i, layer in enumerate(model.model.layers):
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.generator = torch.Generator().manual_seed(100 + i)
+    return model
+
+
+def batch(seed=1, size=4, length=12):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (size, length), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding
+    mask[-1, -4:] = 0  # right padding
+    return ids, mask, ids.masked_fill(mask == 0, -100)
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def max_diff(model, ref, name_of=lambda n: n, what="grad"):
+    """Largest |parallel - single-process| over the parameters (or their gradients); a collective (full_tensor)."""
+    refs = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in model.named_parameters():
+        ours, theirs = (p.grad, refs[name_of(name)].grad) if what == "grad" else (p, refs[name_of(name)])
+        worst = max(worst, (full(ours) - theirs).abs().max().item())
+    return worst
+
+
+def replicated_spread(tensors, group=None):
+    """Largest difference of a replicated tensor between this rank and the others (0 when bitwise equal)."""
+    worst = 0.0
+    for t in tensors:
+        gathered = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(gathered, t.contiguous(), group=group)
+        worst = max(worst, max((g - t).abs().max().item() for g in gathered))
+    return worst
+
+
+def train_pair(model, ref, step_fn, steps=2):
+    """Two optimizer steps on both models; per step the loss difference and the gradient difference."""
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref))
+    out = []
+    for step in range(steps):
+        ids, mask, labels = batch(seed=step + 1)
+        loss = step_fn(model, ids, mask, labels)
+        ref_loss = step_fn(ref, ids, mask, labels)
+        out.append({"loss": loss, "ref_loss": ref_loss, "grad": max_diff(model, ref)})
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return out
+
+
+def lm_step(model, ids, mask, labels):
+    loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss.backward()
+    return loss.item()
+
+
+# ---------------------------------------------------------------------------------------------- 2 ranks
+
+
+@job("two")
+def tp_ep_every_gate():
+    """parallelize() (TP + PPMoE EP over 2 ranks) = single process, for every gate, through two optimizer steps."""
+    results = {}
+    for name, settings in GATES.items():
+        ref = build(**settings)
+        model = parallelize(build(**settings), dist.group.WORLD)
+        steps = train_pair(model, ref, lm_step)
+        gates = [layer.mlp.gate.weight for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        experts = model.model.layers[-1].mlp.experts
+        results[name] = {
+            "steps": steps,
+            "params_after": max_diff(model, ref, what="param"),
+            "gate_spread": replicated_spread(gates),
+            "local_experts": experts.num_experts,
+            "expert_placement": str(experts.down_proj.placements),
+        }
+    return results
+
+
+def save_checkpoint(settings, path):
+    if dist.get_rank() == 0:
+        build(**settings).save_pretrained(path)
+    dist.barrier()
+
+
+@job("two")
+def transformers_entry_points():
+    """The same split through Transformers: DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe") on a
+    built model and in from_pretrained, from_pretrained(distributed_config=DistributedConfig(tp_size=2)) (PPMoE from
+    the tensor-parallel plan), from_pretrained(tp_plan="auto"), and Transformers' own all-reduce EP on our model."""
+    from transformers import DistributedConfig
+
+    settings = GATES["gshard_random_capacity"]
+    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "checkpoint")
+    save_checkpoint(settings, path)
+    seeded = build(**settings)
+    generators = [layer.mlp.gate.generator.get_state() for layer in seeded.model.layers if hasattr(layer.mlp, "gate")]
+
+    def reseed(model):  # a loaded model has no router generators: give it the reference's
+        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+        for gate, state in zip(gates, generators):
+            gate.generator = torch.Generator()
+            gate.generator.set_state(state)
+        return model.train()
+
+    def distributed(config):
+        config, _, mesh_manager = GPTMoEForCausalLM.prepare_distribute_model(config)
+        return GPTMoEForCausalLM.maybe_distribute_model(build(**settings), config, mesh_manager)
+
+    ways = {
+        "maybe_distribute_model_ep_ppmoe": lambda: distributed(
+            DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+        ),
+        "from_pretrained_ep_ppmoe": lambda: reseed(
+            GPTMoEForCausalLM.from_pretrained(
+                path, distributed_config=DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+            )
+        ),
+        "from_pretrained_tp": lambda: reseed(
+            GPTMoEForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
+        ),
+        "from_pretrained_tp_plan_auto": lambda: reseed(GPTMoEForCausalLM.from_pretrained(path, tp_plan="auto")),
+        "transformers_all_reduce_ep": lambda: distributed(
+            DistributedConfig(tp_size=2, ep_size=2, ep_implementation="all_reduce")
+        ),
+    }
+    results = {}
+    for name, make in ways.items():
+        ref, model = reseed(build(**settings)), make().train()
+        experts = model.model.layers[-1].mlp.experts
+        results[name] = {
+            "steps": train_pair(model, ref, lm_step, steps=1),
+            "ppmoe": getattr(experts, "_ppmoe_group", None) is not None,
+            "local_experts": experts.num_experts,
+        }
+    return results
+
+
+@job("two")
+def save_after_parallelize():
+    """save_pretrained on every rank of a split model writes the whole model once; it loads in one process."""
+    settings = GATES["topk_dropless_einsum"]
+    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "saved_split")
+    model = parallelize(build(**settings), dist.group.WORLD)
+    lm_step(model, *batch())  # one training step first, so the saved weights are not the initial ones
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    model.save_pretrained(path)
+    dist.barrier()
+    loaded = GPTMoEForCausalLM.from_pretrained(path)
+    return {"params": max_diff(model, loaded, what="param"), "files": sorted(os.listdir(path))}
+
+
+@job("two")
+def communication_per_layer():
+    """Collectives and bytes of one layer's forward and backward, per module: attention, dense FFN, MoE layer."""
+    results = {}
+    T, H = 2 * 8, 32
+    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
+        model = parallelize(build(moe_layer_frequency=2, **style), dist.group.WORLD)
+        dense, moe = model.model.layers[0], model.model.layers[1]
+        x = torch.randn(2, 8, H, requires_grad=True)
+        positions = model.model.rotary_emb(x, torch.arange(8)[None]) if style_name == "llama" else None
+        runs = {
+            "attention": lambda: dense.self_attn(x, position_embeddings=positions, attention_mask=None)[0],
+            "dense_ffn": lambda: dense.mlp(x),
+            "moe_layer": lambda: moe.mlp(x)[0],
+        }
+        for name, run in runs.items():
+            with count_collectives() as comm:
+                y = run()
+                comm.mark("backward")
+                y.square().sum().backward()
+            split = comm.marks["backward"]
+            results[f"{style_name}/{name}"] = {
+                "forward": [[c.op, c.bytes] for c in comm.calls[:split]],
+                "backward": [[c.op, c.bytes] for c in comm.calls[split:]],
+            }
+    results["sizes"] = {"T": T, "H": H, "E": 4, "bytes_per_element": 4}
+    return results
+
+
+@job("two")
+def pipeline_two_stages():
+    """PP=2, GPipe and 1F1B: loss and gradients = single-process gradient accumulation, over two optimizer steps."""
+    results = {}
+    for schedule in ("gpipe", "1f1b"):
+        for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
+            results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, dist.group.WORLD, None)
+    return results
+
+
+@job("two")
+def errors():
+    """Clear errors: experts that do not split, a mesh that does not match the world size."""
+    results = {}
+    try:
+        parallelize(build(num_experts=3, num_experts_per_tok=2), dist.group.WORLD)
+    except ValueError as e:
+        results["experts"] = str(e)
+    try:
+        make_mesh(pp=1, tp=3)
+    except ValueError as e:
+        results["world_size"] = str(e)
+    return results
+
+
+@job("two")
+def hung_rank_times_out():
+    """Rank 1 stays alive but skips a collective: rank 0's all-reduce fails after the group's timeout."""
+    group = make_mesh(tp=2, timeout=timedelta(seconds=2))["tp"].get_group()
+    x = torch.ones(2)
+    dist.all_reduce(x, group=group)  # the group works
+    start = time.monotonic()
+    if dist.get_rank() == 1:
+        time.sleep(4)
+        return {}
+    try:
+        dist.all_reduce(x, group=group)
+    except RuntimeError as e:
+        return {"error": str(e).splitlines()[0], "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+@job("two")
+def dead_rank_fails_fast():
+    """Rank 1 exits: rank 0's next collective fails at once, long before the timeout (the last check of the job)."""
+    group = make_mesh(tp=2, timeout=timedelta(seconds=30))["tp"].get_group()
+    dist.barrier(group=group)
+    if dist.get_rank() == 1:
+        raise SystemExit  # the job writes this rank's results, then the process exits
+    time.sleep(1)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(2), group=group)
+    except RuntimeError as e:
+        return {"error": str(e).splitlines()[0], "seconds": time.monotonic() - start}
+    return {"error": None}
+
+
+# ---------------------------------------------------------------------------------------------- pipelines
+
+
+def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2):
+    settings = dict(router_type="gshard", capacity_factor=1.0, num_hidden_layers=4, moe_layer_frequency=2, **style)
+    ref, model = build(**settings), build(**settings)
+    pipe = Pipeline(model, pp, num_microbatches=microbatches, schedule=schedule, tp=tp)
+    stage = pipe.module.model
+    original = [layer.self_attn.layer_idx for layer in stage.model.layers]
+    ref_names = dict(ref.named_parameters())
+
+    def name_of(name):
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return name.replace(f"layers.{i}.", f"layers.{original[i]}.", 1)
+        return name if name in ref_names else "model.embed_tokens.weight"  # a head tied to the embeddings
+
+    opt = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    out = []
+    for step in range(steps):
+        ids, mask, labels = batch(seed=step + 1)
+        loss = pipe.step(ids, labels, mask).item()
+        ref_loss = accumulate(ref, ids, mask, labels, microbatches)
+        out.append({"loss": loss, "ref_loss": ref_loss, "grad": max_diff(stage, ref, name_of)})
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return {"steps": out, "params_after": max_diff(stage, ref, name_of, what="param")}
+
+
+def accumulate(ref, ids, mask, labels, microbatches):
+    """Single-process gradient accumulation: token-summed LM loss / the batch's label tokens, plus the mean of the
+    microbatches' router losses (what `Pipeline` documents)."""
+    num_tokens = (labels[:, 1:] != -100).sum()
+    total = 0.0
+    for chunk in zip(*(t.chunk(microbatches) for t in (ids, mask, labels))):
+        out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
+        config = ref.config
+        router = config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+        loss = out.loss - router + router / microbatches
+        loss.backward()
+        total += loss.item()
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- 4 ranks
+
+
+@job("four")
+def tp_times_pp():
+    """TP=2 x PP=2 on a (pp, tp) mesh, both schedules: loss and gradients = single-process accumulation."""
+    mesh = make_mesh(pp=2, tp=2, timeout=timedelta(seconds=60))
+    results = {}
+    for schedule, (style_name, style) in [("gpipe", ("llama", LLAMA)), ("1f1b", ("gpt2", GPT2_STYLE))]:
+        results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, mesh["pp"], mesh["tp"])
+    return results
+
+
+def main(job_name: str, out_dir: str) -> None:
+    init_distributed(timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    results, path = {}, Path(out_dir, f"rank{rank}.json")
+    for check in JOBS[job_name]:
+        try:
+            results[check.__name__] = check()
+        except SystemExit:
+            results[check.__name__] = {}
+            path.write_text(json.dumps(results))
+            os._exit(0)
+        except Exception as e:  # recorded; the test of this check fails with the traceback
+            results[check.__name__] = {"exception": traceback.format_exc(), "message": str(e)}
+        path.write_text(json.dumps(results))
+    if job_name != "two":  # the "two" job ends with a dead rank: no clean shutdown
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
