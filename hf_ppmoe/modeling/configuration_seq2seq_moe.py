@@ -9,7 +9,19 @@ maps a `T5Config` onto this one.
 
 from __future__ import annotations
 
-from .configuration_moe import MoEConfig, check
+from .configuration_moe import MOE_EP_PLAN, MOE_TP_PLAN, MoEConfig, check
+
+
+def _stack_tp_plan(stack: str, attentions: tuple[str, ...]) -> dict[str, str]:
+    """One stack's tensor-parallel rules: heads split (q/k/v colwise, o rowwise; cross-attention's keys and values
+    from the encoder output likewise), the relative position bias table split on the same heads, FFN / MoE as in
+    `MOE_TP_PLAN`."""
+    plan = {f"{stack}.relative_attention_bias": "head_sharded_bias"}
+    for attention in attentions:
+        prefix = f"{stack}.layers.*.{attention}"
+        plan.update({f"{prefix}.{p}_proj": "colwise" for p in "qkv"})
+        plan.update({f"{prefix}.o_proj": "rowwise", prefix: "replicated_input"})
+    return {**plan, **{f"{stack}.layers.*.{key}": style for key, style in MOE_TP_PLAN.items()}}
 
 
 class Seq2SeqMoEConfig(MoEConfig):
@@ -35,6 +47,16 @@ class Seq2SeqMoEConfig(MoEConfig):
 
     model_type = "seq2seq_moe"
     keys_to_ignore_at_inference = ["past_key_values"]
+    # Transformers' parallel plans (keys relative to Seq2SeqMoEModel; styles "ppmoe_*", "replicated_input" and
+    # "head_sharded_bias" come from hf_ppmoe.parallel)
+    base_model_tp_plan = {
+        "shared": "embedding_rowwise",
+        **_stack_tp_plan("encoder", ("self_attn",)),
+        **_stack_tp_plan("decoder", ("self_attn", "cross_attn")),
+    }
+    base_model_ep_plan = {
+        f"{stack}.layers.*.{key}": style for stack in ("encoder", "decoder") for key, style in MOE_EP_PLAN.items()
+    }
 
     vocab_size: int = 32128
     hidden_size: int = 512

@@ -601,6 +601,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
 class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel", "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
 
     def __init__(self, config: Seq2SeqMoEConfig):
         super().__init__(config)

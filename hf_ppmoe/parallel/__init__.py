@@ -2,7 +2,7 @@
 imports torch.distributed).
 
     init_distributed()                      join the torchrun / accelerate job, with a timeout
-    make_mesh(pp=2, tp=2)                   (pp, tp) DeviceMesh, every sub-group with a timeout
+    make_mesh(pp=2, tp=2)                   (dp, pp, tp) DeviceMesh, every sub-group with a timeout
     parallelize(model, mesh["tp"])          tensor parallelism + PPMoE expert parallelism over a TP group
     Pipeline(model, mesh["pp"], num_microbatches=4, schedule="1f1b", tp=mesh["tp"]).step(ids, labels, mask)
 
@@ -17,7 +17,7 @@ from . import expert_parallel  # registers the "ppmoe" plan styles and expert-pa
 from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad
 from .expert_parallel import PPMoEExperts
 from .mesh import init_distributed, make_mesh
-from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, split_layers
+from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, Seq2SeqMoEStage, split_layers
 from .tensor_parallel import parallelize
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "GPTMoEStage",
     "PPMoEExperts",
     "Pipeline",
+    "Seq2SeqMoEStage",
     "copy_to",
     "count_collectives",
     "init_distributed",

@@ -42,25 +42,26 @@ def device_type() -> str:
     return torch.accelerator.current_accelerator().type
 
 
-def make_mesh(*, pp: int = 1, tp: int = 1, timeout: timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:
-    """A (pp, tp) `DeviceMesh` over all ranks, every sub-group with `timeout`. Consecutive ranks share a tensor-
+def make_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, timeout: timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:
+    """A (dp, pp, tp) `DeviceMesh` over all ranks, every sub-group with `timeout`. Consecutive ranks share a tensor-
     parallel group (keep it inside a node): 4 ranks, pp=2, tp=2 -> tp groups {0,1} {2,3}, pp groups {0,2} {1,3}.
-    `mesh["tp"]` / `mesh["pp"]` are the 1-D meshes to hand to `parallelize` / `pipeline`.
+    `mesh["tp"]` / `mesh["pp"]` / `mesh["dp"]` are the 1-D meshes to hand to `parallelize` / `Pipeline` / your
+    data-parallel gradient reduction.
 
-    Raises ValueError, before any communication, unless pp * tp equals the world size."""
+    Raises ValueError, before any communication, unless dp * pp * tp equals the world size."""
     if not dist.is_initialized():
         raise RuntimeError("Call hf_ppmoe.parallel.init_distributed() (or dist.init_process_group) first.")
     world = dist.get_world_size()
-    if pp < 1 or tp < 1 or pp * tp != world:
+    if min(dp, pp, tp) < 1 or dp * pp * tp != world:
         raise ValueError(
-            f"pp={pp} x tp={tp} = {pp * tp} ranks, but this job has {world} (WORLD_SIZE). Start it with "
-            f"`torchrun --nproc-per-node {pp * tp}`, or choose sizes whose product is {world}."
+            f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but this job has {world} (WORLD_SIZE). Start it "
+            f"with `torchrun --nproc-per-node {dp * pp * tp}`, or choose sizes whose product is {world}."
         )
     options = dist.ProcessGroupNCCL.Options() if dist.get_backend() == "nccl" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     return init_device_mesh(
         device_type(),
-        (pp, tp),
-        mesh_dim_names=("pp", "tp"),
-        backend_override={"pp": options, "tp": options},
+        (dp, pp, tp),
+        mesh_dim_names=("dp", "pp", "tp"),
+        backend_override={"dp": options, "pp": options, "tp": options},
     )

@@ -16,7 +16,17 @@ with equal microbatches this is the mean of the microbatch losses) and router_lo
 device accumulates over the same microbatches (PPMoE Sec. 3.3.6); the returned loss is that value, on every rank.
 
 Router losses of a stage's MoE layers are part of that stage's graph: their gradient is injected where the stage's
-output gradient arrives (Megatron's aux-loss auto-scaler), so nothing but hidden states crosses stages.
+output gradient arrives (Megatron's aux-loss auto-scaler), so nothing but activations crosses stages.
+
+An encoder-decoder (Seq2Seq-MoE) is cut as one list of layers, the encoder's then the decoder's. The encoder output
+travels with the decoder's hidden states through every later stage (each cross-attends to it), so its gradient
+flows back from all of them to the encoder:
+
+    stage 0: embed, encoder [0, 2)  ──enc hidden──>  stage 1: encoder [2, E), norm; embed, decoder [0, 1)
+        ──(dec hidden, enc output)──>  stage 2: decoder [1, D), norm, head
+
+Parameters that several stages hold (a head tied to the embeddings; Seq2Seq-MoE's embeddings, used by both stacks,
+and each stack's relative position bias table, used by all its layers) get the sum of their copies' gradients.
 
 With `tp=...` every stage is also split over its tensor-parallel group (`parallelize`): TP x PP on a (pp, tp) mesh.
 """
@@ -29,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
+from transformers.loss.loss_utils import ForMaskedLMLoss
 
 from ..moe.layer import MoELayer
 from .tensor_parallel import parallelize
@@ -58,6 +69,54 @@ class _RouterLossGrad(torch.autograd.Function):
         return grad, grad.new_full((), ctx.scale, dtype=ctx.dtype), None
 
 
+def _head_tied(model) -> bool:
+    head = model.get_output_embeddings()
+    return head is not None and head.weight is model.get_input_embeddings().weight
+
+
+def _contiguous(grad):
+    return grad.contiguous()
+
+
+class _Stage(nn.Module):
+    """What the stages of both families share: the router losses of the stage's MoE layers, and received activations
+    whose gradients go back over gloo (which sends only contiguous buffers)."""
+
+    def __init__(self, model, is_first: bool, is_last: bool, num_microbatches: int, num_moe_layers: int):
+        super().__init__()
+        self.model, self.is_first, self.is_last = model, is_first, is_last
+        self.num_moe_layers = max(1, num_moe_layers)  # of the whole model
+        self.router_loss_grad_scale = 1 / num_microbatches
+        self.router_losses: list[torch.Tensor] = []  # this step's, per microbatch (detached)
+
+    def _with_router_loss(self, hidden, stacks):
+        """`hidden`, carrying in backward the router loss of this stage's MoE layers. stacks: (stack output, number
+        of this stage's MoE layers in that stack); a stack's aux/z losses average over those layers, the model's
+        over all of its MoE layers."""
+        config = self.model.config
+        parts = [
+            n / self.num_moe_layers * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
+            for out, n in stacks
+            if out.aux_loss is not None
+        ]
+        if not parts:
+            return hidden
+        router_loss = sum(parts)
+        self.router_losses.append(router_loss.detach())
+        return _RouterLossGrad.apply(hidden, router_loss, self.router_loss_grad_scale)
+
+    @staticmethod
+    def _received(*tensors):
+        for t in tensors:
+            if t.requires_grad:
+                t.register_hook(_contiguous)
+        return tensors
+
+    def shared_parameters(self) -> dict[str, nn.Parameter]:
+        """Parameters other stages also hold, by a name every stage uses for them."""
+        return {}
+
+
 class _NoPositions(nn.Module):
     """Stands in for learned position embeddings after the first stage (the input already carries them)."""
 
@@ -65,7 +124,7 @@ class _NoPositions(nn.Module):
         return 0.0
 
 
-class GPTMoEStage(nn.Module):
+class GPTMoEStage(_Stage):
     """Layers `layers` of a `GPTMoEForCausalLM`, with the embeddings on the first stage and the final norm and head
     on the last. `model` is trimmed in place and kept as `self.model`.
 
@@ -73,8 +132,8 @@ class GPTMoEStage(nn.Module):
     returns hidden states, or the logits on the last stage."""
 
     def __init__(self, model, layers: range, is_first: bool, is_last: bool, num_microbatches: int):
-        super().__init__()
         base, config = model.model, model.config
+        tied = _head_tied(model)
         base.layers = nn.ModuleList(base.layers[i] for i in layers)
         if not is_first:
             base.embed_tokens = None
@@ -84,42 +143,179 @@ class GPTMoEStage(nn.Module):
         if not is_last:
             base.norm, model.lm_head = nn.Identity(), None
         model.init_parallel_plans()  # the plans now name only what this stage holds
-        self.model, self.is_first, self.is_last = model, is_first, is_last
-        moe_here = sum(isinstance(layer.mlp, MoELayer) for layer in base.layers)
         moe_total = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
-        self.router_loss_share = moe_here / max(1, moe_total)
-        self.router_loss_grad_scale = 1 / num_microbatches
-        self.router_losses: list[torch.Tensor] = []  # this step's, per microbatch (detached)
+        super().__init__(model, is_first, is_last, num_microbatches, moe_total)
+        self.tied, self.moe_here = tied, sum(isinstance(layer.mlp, MoELayer) for layer in base.layers)
+
+    @staticmethod
+    def num_layers(config) -> int:
+        return config.num_hidden_layers
 
     def forward(self, x, attention_mask=None):
-        config = self.model.config
+        if not self.is_first:
+            self._received(x)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
         out = self.model.model(**inputs, attention_mask=attention_mask, use_cache=False, compute_router_losses=True)
-        hidden = out.last_hidden_state
-        if out.aux_loss is not None:
-            # the model's router loss averages over all MoE layers; this stage holds `router_loss_share` of them
-            router_loss = self.router_loss_share * (
-                config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
-            )
-            hidden = _RouterLossGrad.apply(hidden, router_loss, self.router_loss_grad_scale)
-            self.router_losses.append(router_loss.detach())
+        hidden = self._with_router_loss(out.last_hidden_state, [(out, self.moe_here)])
         return self.model.lm_head(hidden) if self.is_last else hidden
 
-    def example_io(self, batch: int, seq_len: int) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Meta tensors shaped as this stage's inputs and outputs for microbatches of [batch, seq_len]."""
+    def shared_parameters(self):
+        if self.is_first:
+            return {"embeddings": self.model.model.embed_tokens.weight}
+        return {"embeddings": self.model.lm_head.weight} if self.is_last and self.tied else {}
+
+    def step_inputs(self, input_ids, labels, attention_mask, decoder_attention_mask):
+        """(first stage's positional inputs, every stage's keyword inputs, the label tokens the loss counts)."""
+        if decoder_attention_mask is not None:
+            raise ValueError("decoder_attention_mask is for encoder-decoders; a GPT-MoE takes attention_mask only.")
+        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
+        return (input_ids,), kwargs, (labels[..., 1:] != -100).sum()  # token t+1 is predicted at position t
+
+    def loss(self, logits, labels, num_items_in_batch):
+        config = self.model.config
+        return self.model.loss_function(logits, labels, config.vocab_size, num_items_in_batch=num_items_in_batch)
+
+    def example_io(self, batch: int, source_len: int, target_len: int):
+        """Meta tensors shaped as this stage's inputs and outputs for microbatches of [batch, source_len]."""
         config, dtype = self.model.config, self.model.dtype
-        hidden = torch.empty(batch, seq_len, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
-        inputs = torch.empty(batch, seq_len, dtype=torch.long, device="meta") if self.is_first else hidden
-        outputs = torch.empty(batch, seq_len, config.vocab_size, dtype=dtype, device="meta") if self.is_last else hidden
-        return (inputs,), (outputs,)
+        hidden = torch.empty(batch, source_len, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+        inputs = torch.empty(batch, source_len, dtype=torch.long, device="meta") if self.is_first else hidden
+        logits = torch.empty(batch, source_len, config.vocab_size, dtype=dtype, device="meta")
+        return (inputs,), (logits if self.is_last else hidden,)
+
+
+class Seq2SeqMoEStage(_Stage):
+    """Layers `layers` of a `Seq2SeqMoEForConditionalGeneration`, counted encoder first: 0 .. E-1 are the encoder's,
+    E .. E+D-1 the decoder's. A stage keeps the shared embeddings where a stack starts, a stack's relative position
+    bias table where it has that stack's layers, a stack's final norm where it ends, the head on the last stage.
+
+    Positional inputs and outputs, per microbatch (what the previous stage sent / what goes to the next):
+        input_ids [B, S] (first stage)   encoder hidden [B, S, H] (inside the encoder)
+        encoder output [B, S, H] (the decoder starts here)   (decoder hidden [B, L, H], encoder output) (inside the
+        decoder)   logits [B, L, V] (last stage's output)
+    Keyword inputs (every stage): attention_mask [B, S], decoder_input_ids, decoder_attention_mask and
+    decoder_token_mask (label tokens: the tokens router losses count) [B, L]."""
+
+    def __init__(self, model, layers: range, is_first: bool, is_last: bool, num_microbatches: int):
+        base, config = model.model, model.config
+        E, D = config.num_hidden_layers, config.num_decoder_layers
+        tied = _head_tied(model)
+        keep = {"encoder": [i for i in layers if i < E], "decoder": [i - E for i in layers if i >= E]}
+        moe_here = {name: sum(getattr(base, name).layers[i].is_moe for i in keep[name]) for name in keep}
+        for name, depth in (("encoder", E), ("decoder", D)):
+            stack = getattr(base, name)
+            if not keep[name]:
+                setattr(base, name, None)
+                continue
+            stack.layers = nn.ModuleList(stack.layers[i] for i in keep[name])
+            stack.embed_tokens = None  # the stage embeds (the stack's dropout applies to its input and its output:
+            stack.dropout = nn.Identity()  # the stage applies it where the stack starts and where it ends)
+            if depth - 1 not in keep[name]:
+                stack.norm = nn.Identity()
+        if 0 not in keep["encoder"] and 0 not in keep["decoder"]:
+            base.shared = None
+        if not is_last:
+            model.lm_head = None
+        model.init_parallel_plans()
+        moe_total = sum(map(config.is_encoder_moe_layer, range(E))) + sum(map(config.is_decoder_moe_layer, range(D)))
+        super().__init__(model, is_first, is_last, num_microbatches, moe_total)
+        self.tied, self.moe_here, self.dropout = tied, moe_here, nn.Dropout(config.hidden_dropout)
+        self.encoder_start, self.encoder_end = 0 in keep["encoder"], E - 1 in keep["encoder"]
+        self.decoder_start = 0 in keep["decoder"]
+
+    @staticmethod
+    def num_layers(config) -> int:
+        return config.num_hidden_layers + config.num_decoder_layers
+
+    def forward(
+        self, *inputs, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None, decoder_token_mask=None
+    ):
+        base, stacks = self.model.model, []
+        if not self.encoder_start:
+            inputs = self._received(*inputs)
+        if base.encoder is not None:
+            (x,) = inputs
+            if self.encoder_start:
+                x = self.dropout(base.shared(x))
+            out = base.encoder(inputs_embeds=x, attention_mask=attention_mask, compute_router_losses=True)
+            stacks.append((out, self.moe_here["encoder"]))
+            if not self.encoder_end:
+                return self._with_router_loss(out.last_hidden_state, stacks)
+            hidden, encoder_output = None, self.dropout(out.last_hidden_state)
+        elif self.decoder_start:
+            hidden, (encoder_output,) = None, inputs
+        else:
+            hidden, encoder_output = inputs
+        if base.decoder is None:
+            return self._with_router_loss(encoder_output, stacks)
+        if self.decoder_start:
+            hidden = self.dropout(base.shared(decoder_input_ids))
+        out = base.decoder(
+            inputs_embeds=hidden,
+            attention_mask=decoder_attention_mask,
+            encoder_hidden_states=encoder_output,
+            encoder_attention_mask=attention_mask,
+            token_mask=decoder_token_mask,
+            use_cache=False,
+            compute_router_losses=True,
+        )
+        stacks.append((out, self.moe_here["decoder"]))
+        if not self.is_last:
+            return self._with_router_loss(out.last_hidden_state, stacks), encoder_output
+        hidden = self._with_router_loss(self.dropout(out.last_hidden_state), stacks)
+        if self.model.config.scale_decoder_outputs:
+            hidden = hidden * self.model.config.hidden_size**-0.5
+        return self.model.lm_head(hidden)
+
+    def shared_parameters(self):
+        base, shared = self.model.model, {}
+        if base.shared is not None:
+            shared["embeddings"] = base.shared.weight
+        elif self.is_last and self.tied:
+            shared["embeddings"] = self.model.lm_head.weight
+        for name in ("encoder", "decoder"):
+            if getattr(base, name) is not None:
+                shared[f"{name}.relative_attention_bias"] = getattr(base, name).relative_attention_bias.weight
+        return shared
+
+    def step_inputs(self, input_ids, labels, attention_mask, decoder_attention_mask):
+        kwargs = {"decoder_input_ids": self.model._shift_right(labels), "decoder_token_mask": labels != -100}
+        for name, mask in (("attention_mask", attention_mask), ("decoder_attention_mask", decoder_attention_mask)):
+            if mask is not None:
+                kwargs[name] = mask
+        return (input_ids,), kwargs, (labels != -100).sum()
+
+    def loss(self, logits, labels, num_items_in_batch):
+        return ForMaskedLMLoss(logits, labels, self.model.config.vocab_size, num_items_in_batch=num_items_in_batch)
+
+    def example_io(self, batch: int, source_len: int, target_len: int):
+        config, dtype, base = self.model.config, self.model.dtype, self.model.model
+
+        def hidden(length):
+            return torch.empty(batch, length, config.hidden_size, dtype=dtype, device="meta", requires_grad=True)
+
+        if self.encoder_start:
+            inputs = (torch.empty(batch, source_len, dtype=torch.long, device="meta"),)
+        elif base.encoder is not None or self.decoder_start:
+            inputs = (hidden(source_len),)
+        else:
+            inputs = (hidden(target_len), hidden(source_len))
+        if self.is_last:
+            outputs = (torch.empty(batch, target_len, config.vocab_size, dtype=dtype, device="meta"),)
+        elif base.decoder is None:
+            outputs = (hidden(source_len),)
+        else:
+            outputs = (hidden(target_len), hidden(source_len))
+        return inputs, outputs
 
 
 class Pipeline:
-    """This rank's stage of `model` and a pipeline schedule over the group `pp` (a `ProcessGroup` or 1-D
-    `DeviceMesh`). See the module docstring.
+    """This rank's stage of `model` (a GPT-MoE or a Seq2Seq-MoE) and a pipeline schedule over the group `pp` (a
+    `ProcessGroup` or 1-D `DeviceMesh`). See the module docstring.
 
     Args:
-        layers: one `range` of layer indices per stage; default `split_layers` (even).
+        layers: one `range` of layer indices per stage (an encoder-decoder counts the encoder's layers first);
+            default `split_layers` (even).
         schedule: "1f1b" (default) or "gpipe".
         tp: optional tensor-parallel group / 1-D mesh: the stage is then split with `parallelize` (TP x PP).
 
@@ -132,78 +328,76 @@ class Pipeline:
             raise ValueError(f"Unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}.")
         self.group = pp.get_group() if isinstance(pp, DeviceMesh) else pp
         self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
-        layers = layers or split_layers(model.config.num_hidden_layers, self.size)
+        stage_class = Seq2SeqMoEStage if model.config.is_encoder_decoder else GPTMoEStage
+        layers = layers or split_layers(stage_class.num_layers(model.config), self.size)
         if len(layers) != self.size:
             raise ValueError(f"`layers` gives {len(layers)} stages, but the pipeline group has {self.size} ranks.")
-        head = model.get_output_embeddings()
-        # a head tied to the input embeddings ends up on the last stage, the embeddings on the first
-        self.tied = self.size > 1 and head is not None and head.weight is model.get_input_embeddings().weight
-        self.module = GPTMoEStage(model, layers[self.rank], self.rank == 0, self.rank == self.size - 1, num_microbatches)
+        self.module = stage_class(model, layers[self.rank], self.rank == 0, self.rank == self.size - 1, num_microbatches)
         if tp is not None:
             parallelize(model, tp)
+        # which stages hold each shared parameter (the same dict, in the same order, on every rank)
+        names = [None] * self.size
+        dist.all_gather_object(names, sorted(self.module.shared_parameters()), group=self.group)
+        self.holders = {key: [r for r in range(self.size) if key in names[r]] for key in sorted(set().union(*names))}
         self.device = next(model.parameters()).device
         self.num_microbatches, self.schedule_class = num_microbatches, SCHEDULES[schedule]
         self.schedule, self._shape = None, None
 
     def _set_up(self, shape) -> None:
-        """Stage and schedule for batches of `shape`, with the activation shapes given up front: torch's
-        pipelining would otherwise infer them by running the first microbatch an extra time (which draws from
-        the routers' random generators and records router losses that belong to no step)."""
-        batch, seq_len = shape
+        """Stage and schedule for batches of `shape` (inputs, labels), with the activation shapes given up front:
+        torch's pipelining would otherwise infer them by running the first microbatch an extra time (which draws
+        from the routers' random generators and records router losses that belong to no step)."""
+        (batch, source_len), (_, target_len) = shape
         if batch % self.num_microbatches:
             raise ValueError(f"Batch size {batch} is not a multiple of num_microbatches={self.num_microbatches}.")
-        inputs, outputs = self.module.example_io(batch // self.num_microbatches, seq_len)
+        inputs, outputs = self.module.example_io(batch // self.num_microbatches, source_len, target_len)
         stage = PipelineStage(
             self.module, self.rank, self.size, self.device, input_args=inputs, output_args=outputs, group=self.group
         )
         # every rank passes the loss: without one a schedule runs forward only
-        self.schedule = self.schedule_class(stage, self.num_microbatches, loss_fn=self._lm_loss, scale_grads=False)
+        self.schedule = self.schedule_class(stage, self.num_microbatches, loss_fn=self.module.loss, scale_grads=False)
         self._shape = shape
 
-    def _lm_loss(self, logits, labels, num_items_in_batch):
-        return self.module.model.loss_function(
-            logits, labels, self.module.model.config.vocab_size, num_items_in_batch=num_items_in_batch
-        )
+    def _sum_shared_gradients(self) -> None:
+        """Every copy of a parameter that several stages hold gets the sum of the copies' gradients (exchanged
+        between those stages, added in stage order), so the copies stay equal through optimizer steps."""
+        mine = self.module.shared_parameters()
+        for key, holders in self.holders.items():
+            if len(holders) < 2 or self.rank not in holders:
+                continue
+            weight = mine[key]
+            grad = weight.grad
+            if isinstance(grad, DTensor):  # e.g. the embedding's comes out replicated, a tied head's split: align
+                weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
+                grad = weight.grad.to_local()
+            grads = {r: torch.empty_like(grad) for r in holders if r != self.rank}
+            ops = [dist.P2POp(dist.isend, grad.contiguous(), group=self.group, group_peer=r) for r in grads]
+            ops += [dist.P2POp(dist.irecv, buffer, group=self.group, group_peer=r) for r, buffer in grads.items()]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            grads[self.rank] = grad.clone()
+            grad.copy_(sum(grads[r] for r in holders))
 
-    def _sum_tied_gradients(self) -> None:
-        """The first stage's embeddings and the last stage's head are one tied weight: both copies get the sum of
-        their gradients (exchanged between the two stages), so they stay equal through optimizer steps."""
-        if not self.tied or not (self.module.is_first or self.module.is_last):
-            return
-        model = self.module.model
-        weight = model.model.embed_tokens.weight if self.module.is_first else model.lm_head.weight
-        grad = weight.grad
-        if isinstance(grad, DTensor):  # the embedding's gradient comes out replicated, the head's split: align them
-            weight.grad = grad.redistribute(weight.device_mesh, weight.placements)
-            grad = weight.grad.to_local()
-        other = torch.empty_like(grad)
-        peer = self.size - 1 if self.module.is_first else 0
-        ops = [
-            dist.P2POp(dist.isend, grad.contiguous(), group=self.group, group_peer=peer),
-            dist.P2POp(dist.irecv, other, group=self.group, group_peer=peer),
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        grad += other
-
-    def step(self, input_ids, labels, attention_mask=None) -> torch.Tensor:
-        """One forward + backward over all microbatches (every rank passes the same whole batch). Gradients
-        accumulate into the stage's parameters; returns the loss (see the module docstring) on every rank."""
-        if tuple(input_ids.shape) != self._shape:
-            self._set_up(tuple(input_ids.shape))
-        kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        num_tokens = (labels[..., 1:] != -100).sum()  # the causal LM loss predicts token t+1 at position t
+    def step(self, input_ids, labels, attention_mask=None, decoder_attention_mask=None) -> torch.Tensor:
+        """One forward + backward over all microbatches (every rank passes the same whole batch; labels [B, L] are
+        the targets, -100 ignored, and for an encoder-decoder also give the decoder inputs, shifted right).
+        Gradients accumulate into the stage's parameters; returns the loss (see the module docstring) on every
+        rank."""
+        shape = (tuple(input_ids.shape), tuple(labels.shape))
+        if shape != self._shape:
+            self._set_up(shape)
+        args, kwargs, num_tokens = self.module.step_inputs(input_ids, labels, attention_mask, decoder_attention_mask)
         losses = []
         self.module.router_losses.clear()
         self.schedule.step(
-            *([input_ids] if self.module.is_first else []),
+            *(args if self.module.is_first else ()),
             target=labels if self.module.is_last else None,
             losses=losses,
             return_outputs=False,
             loss_kwargs={"num_items_in_batch": num_tokens} if self.module.is_last else None,
             **kwargs,
         )
-        self._sum_tied_gradients()
+        self._sum_shared_gradients()
         total = torch.zeros((), device=self.device)
         if losses:
             total = total + torch.stack(losses).sum().detach()

@@ -4,7 +4,10 @@ It applies the model's own Transformers plan (`config.base_model_tp_plan`, `_tp_
 `from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))` applies, but on a group you choose: a
 sub-mesh of a (pp, tp) mesh for TP x PP, a trimmed pipeline stage, or a model you built or changed yourself:
 
-    attention           q/k/v colwise, o rowwise (heads split; one all-reduce of [T, H] each way)
+    attention           q/k/v colwise, o rowwise (heads split; one all-reduce of [T, H] each way); cross-
+                        attention alike, plus one all-reduce of the encoder output's gradient [S, H]
+    relative bias       T5's table [buckets, heads] split on the same heads ("head_sharded_bias"): each rank
+                        looks up the bias of its own heads, no communication
     dense FFN, shared   gate/up colwise, down rowwise
     MoE layer           PPMoE: whole experts split over the group, replicated router (expert_parallel.py)
     embeddings / head   vocabulary split (embedding_rowwise / colwise_gather_output)
@@ -24,20 +27,41 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import DistributedConfig
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
-from transformers.distributed.tensor_parallel import TensorParallelLayer, apply_tensor_parallelism
+from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
+
+
+def _replicated(x, mesh):
+    if not isinstance(x, torch.Tensor) or isinstance(x, DTensor) or not (torch.is_grad_enabled() and x.requires_grad):
+        return x
+    return DTensor.from_local(x, mesh, [Replicate()], run_check=False)
 
 
 class ReplicatedInputParallel(TensorParallelLayer):
-    """Plan style "replicated_input": the module's first argument enters the tensor-parallel region once, as a
-    replicated DTensor (in training; inference keeps Transformers' local fast paths)."""
+    """Plan style "replicated_input": the module's first argument (and a cross-attention's `key_value_states`)
+    enters the tensor-parallel region once, as a replicated DTensor (in training; inference keeps Transformers'
+    local fast paths)."""
 
     def transform_inputs_pre_forward(self, module, args, kwargs, mesh):
-        if not args or isinstance(args[0], DTensor) or not (torch.is_grad_enabled() and args[0].requires_grad):
-            return args, kwargs
-        return (DTensor.from_local(args[0], mesh, [Replicate()], run_check=False), *args[1:]), kwargs
+        if args:
+            args = (_replicated(args[0], mesh), *args[1:])
+        if kwargs.get("key_value_states") is not None:
+            kwargs = {**kwargs, "key_value_states": _replicated(kwargs["key_value_states"], mesh)}
+        return args, kwargs
+
+
+class HeadShardedBiasParallel(EmbeddingParallel):
+    """Plan style "head_sharded_bias": a relative position bias table [buckets, heads] split on the heads, whose
+    lookup stays this rank's heads (split as the attention's colwise q/k/v split them)."""
+
+    def __init__(self):
+        super().__init__(shard_dim=1)
+
+    def transform_output_post_forward(self, module, output, mesh):
+        return output.to_local() if isinstance(output, DTensor) else output
 
 
 ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
+ALL_PARALLEL_STYLES.register("head_sharded_bias", HeadShardedBiasParallel())
 
 
 def _mesh(group_or_mesh, model) -> DeviceMesh:
@@ -49,19 +73,26 @@ def _mesh(group_or_mesh, model) -> DeviceMesh:
     return DeviceMesh.from_group(group_or_mesh, device_type)
 
 
-def _check_expert_split(config, tp_size: int) -> None:
-    """ValueError naming the sizes when an MoE layer's experts cannot be split evenly over `tp_size` ranks."""
+def _check_split(config, tp_size: int) -> None:
+    """ValueError naming the sizes when experts or attention heads cannot be split evenly over `tp_size` ranks."""
     if config.num_experts % tp_size:
         raise ValueError(
             f"num_experts={config.num_experts} cannot be split evenly over a tensor-parallel group of {tp_size} "
             f"ranks: PPMoE gives every rank num_experts / {tp_size} whole experts. Use a group size that divides "
             f"{config.num_experts}."
         )
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads and heads % tp_size:
+            raise ValueError(
+                f"{name}={heads} cannot be split evenly over a tensor-parallel group of {tp_size} ranks: every rank "
+                f"computes {name} / {tp_size} whole heads. Use a group size that divides {heads}."
+            )
 
 
 def parallelize(model, tp):
-    """Split `model` (a GPT-MoE, built or loaded: any model whose config carries our plans) in place over the
-    tensor-parallel group `tp` (a `ProcessGroup` or a 1-D `DeviceMesh`) and return it.
+    """Split `model` (a GPT-MoE or Seq2Seq-MoE, built or loaded: any model whose config carries our plans) in place
+    over the tensor-parallel group `tp` (a `ProcessGroup` or a 1-D `DeviceMesh`) and return it.
 
     Every rank must pass a model with the same weights (same seed, or the same checkpoint): each keeps its own slice,
     nothing is broadcast. Parameters that are split become DTensors (`p.full_tensor()` / `p.grad.full_tensor()`
@@ -70,7 +101,7 @@ def parallelize(model, tp):
     """
     mesh = _mesh(tp, model)
     size = mesh.size()
-    _check_expert_split(model.config, size)
+    _check_split(model.config, size)
     if size == 1:
         return model
     config = DistributedConfig(tp_size=size)

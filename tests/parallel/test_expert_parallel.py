@@ -1,7 +1,7 @@
 """TP + PPMoE expert parallelism on 2 processes (gloo) against the single-process model; see worker.py."""
 
 import pytest
-from worker import ATOL, GATES
+from worker import ATOL, GATES, SEQ2SEQ_GATES
 
 
 def assert_steps_match(steps):
@@ -10,32 +10,35 @@ def assert_steps_match(steps):
         assert step["grad"] < ATOL, f"step {i}: gradients differ by {step['grad']}"
 
 
-@pytest.mark.parametrize("gate", list(GATES))
+@pytest.mark.parametrize("gate", [f"gpt/{g}" for g in GATES] + [f"seq2seq/{g}" for g in SEQ2SEQ_GATES])
 def test_tp_ep_equals_single_process_for_every_gate(two_ranks, gate):
     for rank in two_ranks("tp_ep_every_gate"):
         result = rank[gate]
         assert_steps_match(result["steps"])
         assert result["params_after"] < ATOL  # after two optimizer steps
         assert result["gate_spread"] == 0.0  # replicated router weights stay bitwise equal on both ranks
-        assert result["local_experts"] == 2 and result["expert_placement"] == "(Shard(dim=0),)"
+        assert result["local_experts"] == [2] and result["expert_placement"] == ["(Shard(dim=0),)"]
 
 
 @pytest.mark.parametrize(
     "way",
     [
-        "maybe_distribute_model_ep_ppmoe",
-        "from_pretrained_ep_ppmoe",
-        "from_pretrained_tp",
-        "from_pretrained_tp_plan_auto",
-        "transformers_all_reduce_ep",
+        "gpt/maybe_distribute_model_ep_ppmoe",
+        "gpt/from_pretrained_ep_ppmoe",
+        "gpt/from_pretrained_tp",
+        "gpt/from_pretrained_tp_plan_auto",
+        "gpt/transformers_all_reduce_ep",
+        "seq2seq/maybe_distribute_model_ep_ppmoe",
+        "seq2seq/from_pretrained_ep_ppmoe",
+        "seq2seq/from_pretrained_tp_plan_auto",
     ],
 )
 def test_transformers_entry_points(two_ranks, way):
     for rank in two_ranks("transformers_entry_points"):
         result = rank[way]
         assert_steps_match(result["steps"])
-        assert result["local_experts"] == 2
-        assert result["ppmoe"] == (way != "transformers_all_reduce_ep")
+        assert result["local_experts"] == [2]
+        assert result["ppmoe"] == (way != "gpt/transformers_all_reduce_ep")
 
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
@@ -50,6 +53,17 @@ def test_moe_layer_communicates_as_a_dense_ffn(two_ranks, style):
     assert result[f"{style}/attention"]["forward"] == result[f"{style}/attention"]["backward"] == one_all_reduce
     assert moe["forward"] == dense["forward"]
     assert sorted(moe["backward"]) == sorted(dense["backward"] + [["all_reduce", E * H * b]])
+
+
+def test_encoder_decoder_attention_communicates_as_megatron(two_ranks):
+    """Heads split with the relative position bias looked up per rank (no communication of its own): self-attention
+    issues one all-reduce of [T, H] each way; cross-attention adds one for the encoder output's gradient [S, H]."""
+    result = two_ranks("communication_per_layer", rank=0)
+    T, S, H, b = (result["sizes"][k] for k in ("T", "S", "H", "bytes_per_element"))
+    self_attention, cross_attention = result["seq2seq/self_attention"], result["seq2seq/cross_attention"]
+    assert self_attention["forward"] == self_attention["backward"] == [["all_reduce", T * H * b]]
+    assert cross_attention["forward"] == [["all_reduce", T * H * b]]
+    assert sorted(cross_attention["backward"]) == sorted([["all_reduce", T * H * b], ["all_reduce", S * H * b]])
 
 
 def test_clear_errors(two_ranks):
@@ -70,8 +84,9 @@ def test_dead_rank_fails_fast(two_ranks):
     assert result["seconds"] < 10  # the group's timeout is 30 s
 
 
-def test_save_pretrained_after_parallelize(two_ranks):
+@pytest.mark.parametrize("family", ["gpt", "seq2seq"])
+def test_save_pretrained_after_parallelize(two_ranks, family):
     """Every rank calls save_pretrained on the split model; rank 0 writes it whole, and it loads in one process."""
     for rank in two_ranks("save_after_parallelize"):
-        assert rank["params"] == 0.0
-        assert "model.safetensors" in rank["files"]
+        assert rank[family]["params"] == 0.0
+        assert "model.safetensors" in rank[family]["files"]

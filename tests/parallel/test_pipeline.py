@@ -13,16 +13,31 @@ def assert_matches(result):
     assert result["params_after"] < ATOL
 
 
-@pytest.mark.parametrize("case", ["gpipe/llama", "gpipe/gpt2", "1f1b/llama", "1f1b/gpt2"])
+@pytest.mark.parametrize(
+    "case", ["gpipe/llama", "gpipe/gpt2", "gpipe/seq2seq", "1f1b/llama", "1f1b/gpt2", "1f1b/seq2seq"]
+)
 def test_two_stages_equal_single_process(two_ranks, case):
     for rank in two_ranks("pipeline_two_stages"):
         assert_matches(rank[case])
 
 
-@pytest.mark.parametrize("case", ["gpipe/llama", "1f1b/gpt2"])
+@pytest.mark.parametrize("case", ["gpipe/llama", "1f1b/gpt2", "1f1b/seq2seq"])
 def test_tp_times_pp_equals_single_process(four_ranks, case):
     for rank in four_ranks("tp_times_pp"):
         assert_matches(rank[case])
+
+
+def test_encoder_decoder_on_four_stages_equals_single_process(four_ranks):
+    """[enc 0-1] -> [enc 2, dec 0] -> [dec 1] -> [dec 2, head]: every kind of hand-over, the encoder output passed
+    through a stage, and parameters several stages hold (embeddings in both stacks and the tied head; each stack's
+    relative position bias table) summed over exactly those stages."""
+    for rank in four_ranks("seq2seq_four_stages"):
+        assert_matches(rank["gpipe"])
+        assert rank["gpipe"]["holders"] == {
+            "embeddings": [0, 1, 3],
+            "encoder.relative_attention_bias": [0, 1],
+            "decoder.relative_attention_bias": [1, 2, 3],
+        }
 
 
 def test_split_layers():

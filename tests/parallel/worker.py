@@ -22,9 +22,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from helpers import GPT2_STYLE, tiny_gpt_config  # noqa: E402
+from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config  # noqa: E402
 
-from hf_ppmoe import GPTMoEForCausalLM  # noqa: E402
+from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration  # noqa: E402
 from hf_ppmoe.parallel import Pipeline, count_collectives, init_distributed, make_mesh, parallelize  # noqa: E402
 
 JOBS: dict[str, list] = {"two": [], "four": []}
@@ -39,6 +39,20 @@ GATES = {
     "topk_dropless_einsum": dict(router_type="topk", dispatch="einsum", **GPT2_STYLE),
     "prototype_capacity": dict(router_type="prototype", capacity_factor=0.75, shared_expert_intermediate_size=16),
 }
+# the same gates in the encoder-decoder, alternating T5 v1.1 (gated, untied) and v1.0 (ReLU, tied, rescaled head),
+# all-MoE stacks and stacks with dense FFNs between the MoE layers
+T5_V10 = dict(gated_mlp=False, hidden_act="relu", tie_word_embeddings=True, scale_decoder_outputs=True)
+SEQ2SEQ_GATES = {
+    "gshard_random_capacity": dict(router_type="gshard", capacity_factor=1.0, router_num_groups=2),
+    "switch_jitter_capacity": dict(
+        router_type="switch", num_experts_per_tok=1, capacity_factor=1.0, router_jitter_noise=0.1, **T5_V10
+    ),
+    "topk_capacity_shared": dict(
+        router_type="topk", capacity_factor=0.5, shared_expert_intermediate_size=24, moe_layer_frequency=2
+    ),
+    "topk_dropless_einsum": dict(router_type="topk", dispatch="einsum", moe_layer_frequency=2, **T5_V10),
+    "prototype_capacity": dict(router_type="prototype", capacity_factor=0.75, shared_expert_intermediate_size=16),
+}
 ATOL = 2e-6
 
 
@@ -50,23 +64,35 @@ def job(name):
     return register
 
 
-def build(seed=0, **overrides):
+def gates(model):
+    return [m for name, m in model.named_modules() if name.endswith("mlp.gate")]
+
+
+def build(seed=0, seq2seq=False, **overrides):
     """The same model on every rank (same seed), with seeded router generators (jitter / random routing)."""
     torch.manual_seed(seed)
-    model = GPTMoEForCausalLM(tiny_gpt_config(**overrides)).train()
-    for i, layer in enumerate(model.model.layers):
-        if hasattr(layer.mlp, "gate"):
-            layer.mlp.gate.generator = torch.Generator().manual_seed(100 + i)
+    if seq2seq:
+        model = Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config(**overrides)).train()
+    else:
+        model = GPTMoEForCausalLM(tiny_gpt_config(**overrides)).train()
+    for i, gate in enumerate(gates(model)):
+        gate.generator = torch.Generator().manual_seed(100 + i)
     return model
 
 
-def batch(seed=1, size=4, length=12):
+def batch(seed=1, size=4, length=12, seq2seq=False):
+    """(input_ids, attention_mask, labels): padded on both sides; an encoder-decoder's labels [size, 8] end in
+    ignored (-100) positions of different lengths."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, 97, (size, length), generator=g)
     mask = torch.ones_like(ids)
     mask[0, :3] = 0  # left padding
     mask[-1, -4:] = 0  # right padding
-    return ids, mask, ids.masked_fill(mask == 0, -100)
+    if not seq2seq:
+        return ids, mask, ids.masked_fill(mask == 0, -100)
+    labels = torch.randint(3, 97, (size, 8), generator=g)
+    labels[0, -1:] = labels[-1, -3:] = -100
+    return ids, mask, labels
 
 
 def full(t):
@@ -98,7 +124,7 @@ def train_pair(model, ref, step_fn, steps=2):
     opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5, momentum=0.9) for m in (model, ref))
     out = []
     for step in range(steps):
-        ids, mask, labels = batch(seed=step + 1)
+        ids, mask, labels = batch(seed=step + 1, seq2seq=model.config.is_encoder_decoder)
         loss = step_fn(model, ids, mask, labels)
         ref_loss = step_fn(ref, ids, mask, labels)
         out.append({"loss": loss, "ref_loss": ref_loss, "grad": max_diff(model, ref)})
@@ -121,25 +147,26 @@ def lm_step(model, ids, mask, labels):
 def tp_ep_every_gate():
     """parallelize() (TP + PPMoE EP over 2 ranks) = single process, for every gate, through two optimizer steps."""
     results = {}
-    for name, settings in GATES.items():
-        ref = build(**settings)
-        model = parallelize(build(**settings), dist.group.WORLD)
-        steps = train_pair(model, ref, lm_step)
-        gates = [layer.mlp.gate.weight for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-        experts = model.model.layers[-1].mlp.experts
-        results[name] = {
-            "steps": steps,
-            "params_after": max_diff(model, ref, what="param"),
-            "gate_spread": replicated_spread(gates),
-            "local_experts": experts.num_experts,
-            "expert_placement": str(experts.down_proj.placements),
-        }
+    families = [("gpt", GATES, {}), ("seq2seq", SEQ2SEQ_GATES, {"seq2seq": True})]
+    for family, settings_per_gate, kind in families:
+        for name, settings in settings_per_gate.items():
+            ref = build(**kind, **settings)
+            model = parallelize(build(**kind, **settings), dist.group.WORLD)
+            steps = train_pair(model, ref, lm_step)
+            experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+            results[f"{family}/{name}"] = {
+                "steps": steps,
+                "params_after": max_diff(model, ref, what="param"),
+                "gate_spread": replicated_spread([gate.weight for gate in gates(model)]),
+                "local_experts": sorted({e.num_experts for e in experts}),
+                "expert_placement": sorted({str(e.down_proj.placements) for e in experts}),
+            }
     return results
 
 
-def save_checkpoint(settings, path):
+def save_checkpoint(settings, path, seq2seq=False):
     if dist.get_rank() == 0:
-        build(**settings).save_pretrained(path)
+        build(seq2seq=seq2seq, **settings).save_pretrained(path)
     dist.barrier()
 
 
@@ -147,67 +174,74 @@ def save_checkpoint(settings, path):
 def transformers_entry_points():
     """The same split through Transformers: DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe") on a
     built model and in from_pretrained, from_pretrained(distributed_config=DistributedConfig(tp_size=2)) (PPMoE from
-    the tensor-parallel plan), from_pretrained(tp_plan="auto"), and Transformers' own all-reduce EP on our model."""
+    the tensor-parallel plan), from_pretrained(tp_plan="auto"), and Transformers' own all-reduce EP on our model; the
+    encoder-decoder through the first, second and fourth."""
     from transformers import DistributedConfig
 
-    settings = GATES["gshard_random_capacity"]
-    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "checkpoint")
-    save_checkpoint(settings, path)
-    seeded = build(**settings)
-    generators = [layer.mlp.gate.generator.get_state() for layer in seeded.model.layers if hasattr(layer.mlp, "gate")]
-
-    def reseed(model):  # a loaded model has no router generators: give it the reference's
-        gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
-        for gate, state in zip(gates, generators):
-            gate.generator = torch.Generator()
-            gate.generator.set_state(state)
-        return model.train()
-
-    def distributed(config):
-        config, _, mesh_manager = GPTMoEForCausalLM.prepare_distribute_model(config)
-        return GPTMoEForCausalLM.maybe_distribute_model(build(**settings), config, mesh_manager)
-
+    ppmoe_ep = DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
     ways = {
-        "maybe_distribute_model_ep_ppmoe": lambda: distributed(
-            DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
-        ),
-        "from_pretrained_ep_ppmoe": lambda: reseed(
-            GPTMoEForCausalLM.from_pretrained(
-                path, distributed_config=DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
-            )
-        ),
-        "from_pretrained_tp": lambda: reseed(
-            GPTMoEForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(tp_size=2))
-        ),
-        "from_pretrained_tp_plan_auto": lambda: reseed(GPTMoEForCausalLM.from_pretrained(path, tp_plan="auto")),
-        "transformers_all_reduce_ep": lambda: distributed(
-            DistributedConfig(tp_size=2, ep_size=2, ep_implementation="all_reduce")
+        "maybe_distribute_model_ep_ppmoe": ppmoe_ep,
+        "from_pretrained_ep_ppmoe": ppmoe_ep,
+        "from_pretrained_tp": DistributedConfig(tp_size=2),
+        "from_pretrained_tp_plan_auto": "auto",
+        "transformers_all_reduce_ep": DistributedConfig(tp_size=2, ep_size=2, ep_implementation="all_reduce"),
+    }
+    families = {
+        "gpt": (GPTMoEForCausalLM, GATES["gshard_random_capacity"], list(ways)),
+        "seq2seq": (
+            Seq2SeqMoEForConditionalGeneration,
+            SEQ2SEQ_GATES["switch_jitter_capacity"],
+            ["maybe_distribute_model_ep_ppmoe", "from_pretrained_ep_ppmoe", "from_pretrained_tp_plan_auto"],
         ),
     }
     results = {}
-    for name, make in ways.items():
-        ref, model = reseed(build(**settings)), make().train()
-        experts = model.model.layers[-1].mlp.experts
-        results[name] = {
-            "steps": train_pair(model, ref, lm_step, steps=1),
-            "ppmoe": getattr(experts, "_ppmoe_group", None) is not None,
-            "local_experts": experts.num_experts,
-        }
+    for family, (cls, settings, names) in families.items():
+        seq2seq = family == "seq2seq"
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"checkpoint_{family}")
+        save_checkpoint(settings, path, seq2seq)
+        generators = [gate.generator.get_state() for gate in gates(build(seq2seq=seq2seq, **settings))]
+
+        def reseed(model):  # a loaded model has no router generators: give it the reference's
+            for gate, state in zip(gates(model), generators):
+                gate.generator = torch.Generator()
+                gate.generator.set_state(state)
+            return model.train()
+
+        for name in names:
+            config = ways[name]
+            if name.startswith("from_pretrained"):
+                keyword = {"tp_plan": config} if config == "auto" else {"distributed_config": config}
+                model = reseed(cls.from_pretrained(path, **keyword))
+            else:
+                config, _, mesh_manager = cls.prepare_distribute_model(config)
+                model = cls.maybe_distribute_model(build(seq2seq=seq2seq, **settings), config, mesh_manager)
+            ref = reseed(build(seq2seq=seq2seq, **settings))
+            experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+            results[f"{family}/{name}"] = {
+                "steps": train_pair(model.train(), ref, lm_step, steps=1),
+                "ppmoe": all(getattr(e, "_ppmoe_group", None) is not None for e in experts),
+                "local_experts": sorted({e.num_experts for e in experts}),
+            }
     return results
 
 
 @job("two")
 def save_after_parallelize():
     """save_pretrained on every rank of a split model writes the whole model once; it loads in one process."""
-    settings = GATES["topk_dropless_einsum"]
-    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "saved_split")
-    model = parallelize(build(**settings), dist.group.WORLD)
-    lm_step(model, *batch())  # one training step first, so the saved weights are not the initial ones
-    torch.optim.SGD(model.parameters(), lr=0.5).step()
-    model.save_pretrained(path)
-    dist.barrier()
-    loaded = GPTMoEForCausalLM.from_pretrained(path)
-    return {"params": max_diff(model, loaded, what="param"), "files": sorted(os.listdir(path))}
+    results = {}
+    for family, cls, settings in [
+        ("gpt", GPTMoEForCausalLM, GATES["topk_dropless_einsum"]),
+        ("seq2seq", Seq2SeqMoEForConditionalGeneration, SEQ2SEQ_GATES["topk_dropless_einsum"]),  # tied head
+    ]:
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"saved_split_{family}")
+        model = parallelize(build(seq2seq=family == "seq2seq", **settings), dist.group.WORLD)
+        lm_step(model, *batch(seq2seq=family == "seq2seq"))  # one step first: the saved weights are not the initial
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        model.save_pretrained(path)
+        dist.barrier()
+        loaded = cls.from_pretrained(path)
+        results[family] = {"params": max_diff(model, loaded, what="param"), "files": sorted(os.listdir(path))}
+    return results
 
 
 @job("two")
@@ -235,7 +269,28 @@ def communication_per_layer():
                 "forward": [[c.op, c.bytes] for c in comm.calls[:split]],
                 "backward": [[c.op, c.bytes] for c in comm.calls[split:]],
             }
-    results["sizes"] = {"T": T, "H": H, "E": 4, "bytes_per_element": 4}
+    # the encoder-decoder's attention: the relative position bias looked up on this rank's heads (no communication),
+    # cross-attention to an encoder output of S = 2 * 12 tokens
+    model = parallelize(build(seq2seq=True), dist.group.WORLD)
+    decoder = model.model.decoder
+    x, encoder_out = torch.randn(2, 8, H, requires_grad=True), torch.randn(2, 12, H, requires_grad=True)
+    runs = {
+        "self_attention": lambda: decoder.layers[0].self_attn(
+            x, attention_mask=None, position_bias=decoder.position_bias(8, 8, 0, x.device)
+        )[0],
+        "cross_attention": lambda: decoder.layers[0].cross_attn(x, attention_mask=None, key_value_states=encoder_out)[0],
+    }
+    for name, run in runs.items():
+        with count_collectives() as comm:
+            y = run()
+            comm.mark("backward")
+            y.square().sum().backward()
+        split = comm.marks["backward"]
+        results[f"seq2seq/{name}"] = {
+            "forward": [[c.op, c.bytes] for c in comm.calls[:split]],
+            "backward": [[c.op, c.bytes] for c in comm.calls[split:]],
+        }
+    results["sizes"] = {"T": T, "S": 2 * 12, "H": H, "E": 4, "bytes_per_element": 4}
     return results
 
 
@@ -246,6 +301,8 @@ def pipeline_two_stages():
     for schedule in ("gpipe", "1f1b"):
         for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
             results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, dist.group.WORLD, None)
+        # encoder | decoder: the encoder output alone crosses, the second stage starts the decoder
+        results[f"{schedule}/seq2seq"] = run_pipeline(schedule, SEQ2SEQ_PIPELINE, dist.group.WORLD, None)
     return results
 
 
@@ -300,38 +357,47 @@ def dead_rank_fails_fast():
 # ---------------------------------------------------------------------------------------------- pipelines
 
 
-def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2):
-    settings = dict(router_type="gshard", capacity_factor=1.0, num_hidden_layers=4, moe_layer_frequency=2, **style)
+SEQ2SEQ_PIPELINE = dict(seq2seq=True, router_jitter_noise=0.1, moe_layer_frequency=1, **T5_V10)
+
+
+def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2, layers=2):
+    seq2seq = style.get("seq2seq", False)
+    depth = dict(num_hidden_layers=layers, num_decoder_layers=layers) if seq2seq else dict(num_hidden_layers=4)
+    settings = {"router_type": "gshard", "capacity_factor": 1.0, "moe_layer_frequency": 2, **depth, **style}
     ref, model = build(**settings), build(**settings)
     pipe = Pipeline(model, pp, num_microbatches=microbatches, schedule=schedule, tp=tp)
     stage = pipe.module.model
-    original = [layer.self_attn.layer_idx for layer in stage.model.layers]
+    # a stage's layer i is the model's layer layer_idx (its attention knows it)
+    stacks = [(n, m) for n, m in stage.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
+    original = {f"{n}.{i}.": f"{n}.{layer.self_attn.layer_idx}." for n, m in stacks for i, layer in enumerate(m)}
     ref_names = dict(ref.named_parameters())
 
     def name_of(name):
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            return name.replace(f"layers.{i}.", f"layers.{original[i]}.", 1)
-        return name if name in ref_names else "model.embed_tokens.weight"  # a head tied to the embeddings
+        for local, index in original.items():
+            if name.startswith(local):
+                return index + name[len(local) :]
+        # a head tied to the embeddings
+        return name if name in ref_names else ("model.shared.weight" if seq2seq else "model.embed_tokens.weight")
 
     opt = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     out = []
     for step in range(steps):
-        ids, mask, labels = batch(seed=step + 1)
+        ids, mask, labels = batch(seed=step + 1, seq2seq=seq2seq)
         loss = pipe.step(ids, labels, mask).item()
         ref_loss = accumulate(ref, ids, mask, labels, microbatches)
         out.append({"loss": loss, "ref_loss": ref_loss, "grad": max_diff(stage, ref, name_of)})
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
-    return {"steps": out, "params_after": max_diff(stage, ref, name_of, what="param")}
+    return {"steps": out, "params_after": max_diff(stage, ref, name_of, what="param"), "holders": pipe.holders}
 
 
 def accumulate(ref, ids, mask, labels, microbatches):
     """Single-process gradient accumulation: token-summed LM loss / the batch's label tokens, plus the mean of the
     microbatches' router losses (what `Pipeline` documents)."""
-    num_tokens = (labels[:, 1:] != -100).sum()
+    # a causal LM predicts token t+1 at position t, an encoder-decoder every label
+    num_tokens = ((labels if ref.config.is_encoder_decoder else labels[:, 1:]) != -100).sum()
     total = 0.0
     for chunk in zip(*(t.chunk(microbatches) for t in (ids, mask, labels))):
         out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
@@ -353,7 +419,15 @@ def tp_times_pp():
     results = {}
     for schedule, (style_name, style) in [("gpipe", ("llama", LLAMA)), ("1f1b", ("gpt2", GPT2_STYLE))]:
         results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, mesh["pp"], mesh["tp"])
+    results["1f1b/seq2seq"] = run_pipeline("1f1b", SEQ2SEQ_PIPELINE, mesh["pp"], mesh["tp"])
     return results
+
+
+@job("four")
+def seq2seq_four_stages():
+    """PP=4 over a 3 + 3 layer encoder-decoder: [enc 0-1] -> [enc 2, dec 0] -> [dec 1] -> [dec 2, head]: encoder
+    hidden states, then (decoder hidden, encoder output) cross stages; the third stage passes the encoder output on."""
+    return {"gpipe": run_pipeline("gpipe", SEQ2SEQ_PIPELINE, dist.group.WORLD, None, layers=3)}
 
 
 def main(job_name: str, out_dir: str) -> None:
