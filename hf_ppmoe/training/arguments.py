@@ -58,8 +58,8 @@ class TrainArguments:
     hub_model_id: str | None = field(default=None, metadata={"help": "Hub repository (default: output_dir's name)."})
 
     # ---- parallelism beyond data parallel (hf_ppmoe.parallel)
-    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts are spread over this group (PPMoE)."})
-    pp_size: int = field(default=1, metadata={"help": "Pipeline-parallel stages."})
+    tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts spread over it (PPMoE); WORLD_SIZE / tp_size replicas."})
+    pp_size: int = field(default=1, metadata={"help": "Pipeline stages: refused by this loop (the error says why)."})
 
     def __post_init__(self):
         if self.train_file is not None and isinstance(self.train_file, str):
@@ -91,6 +91,22 @@ class TrainArguments:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"--mixed_precision {self.mixed_precision!r}: use no, bf16 or fp16.")
+        if self.pp_size > 1:
+            raise ValueError(
+                f"--pp_size {self.pp_size}: pipeline parallelism does not fit this Accelerate loop. A pipeline runs "
+                "forward and backward of all microbatches inside torch.distributed.pipelining's schedule "
+                "(hf_ppmoe.parallel.Pipeline.step), which replaces the model call + accelerator.backward the loop is "
+                "built on (gradient accumulation, mixed precision, the outputs its metrics read), and every process "
+                "holds only its stage, so evaluation and the final save of the whole model would need the stages "
+                "gathered. Use --tp_size (with data parallelism over the remaining processes) here, or Pipeline in "
+                "your own loop (README, Parallelism)."
+            )
+        if self.tp_size > 1 and self.mixed_precision == "fp16":
+            raise ValueError(
+                "--mixed_precision fp16 with --tp_size > 1: fp16 needs Accelerate's gradient scaler, which works "
+                "through an optimizer Accelerate prepares, and a tensor-parallel model's optimizer is kept out of "
+                "Accelerate (its state is sharded). Use --mixed_precision bf16."
+            )
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
         if self.resume and self.resume != "latest" and not Path(self.resume).is_dir():
@@ -110,14 +126,16 @@ class TrainArguments:
                 "(learned positions); lower --block_size."
             )
         experts = getattr(config, "num_experts", None)
-        if self.tp_size > 1 and experts and experts % self.tp_size:
+        if self.tp_size > 1 and not experts:
+            raise ValueError(
+                f"--tp_size {self.tp_size} splits a model with hf_ppmoe.parallel's plans, which GPT-MoE models carry; "
+                f"this {config.model_type} model has none. Train it data parallel (no --tp_size)."
+            )
+        if self.tp_size > 1 and experts % self.tp_size:
             raise ValueError(
                 f"--tp_size {self.tp_size} does not divide num_experts={experts}: PPMoE spreads every MoE layer's "
                 f"experts evenly over the tensor-parallel group. Use a tp_size among the divisors of {experts}."
             )
-        layers = getattr(config, "num_hidden_layers", None)
-        if self.pp_size > 1 and layers and layers < self.pp_size:
-            raise ValueError(f"--pp_size {self.pp_size} exceeds num_hidden_layers={layers}: each stage needs a layer.")
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=2, default=str)

@@ -6,6 +6,13 @@ apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) 
 Data order is a pure function of (seed, step): the global batch of step s is the s-th slice of per-epoch seeded
 permutations, cut into micro-batches and data-parallel shards. Together with Accelerate's saved optimizer,
 scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be.
+
+`--tp_size N` splits the model over groups of N processes with hf_ppmoe.parallel (tensor parallelism, PPMoE expert
+parallelism); the groups are data-parallel replicas of each other (`DataParallel`). Accelerate keeps the loop,
+gradient accumulation, the schedule, RNG states, logging; it cannot wrap or checkpoint a DTensor-sharded model
+(its DDP refuses DTensors, its TP support composes only with FSDP2, and `save_state` writes model and optimizer from
+the main process alone), so the replicas average their gradients over the data-parallel group here and the model
+and optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards.
 """
 
 from __future__ import annotations
@@ -17,13 +24,18 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import set_seed
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..parallel import make_mesh, parallelize
 from .arguments import TrainArguments
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
@@ -99,6 +111,45 @@ def build_model(args: TrainArguments, tokenizer):
     return model
 
 
+class DataParallel:
+    """The processes that share the data: all of Accelerate's (each holds the whole model; Accelerate's DDP averages
+    the gradients), or with `tp_size` > 1 the replicas of a (dp, tp) mesh, each a tensor-parallel group of
+    `tp_size` consecutive processes that see the same batches. `rank` / `size` number the replicas."""
+
+    def __init__(self, accelerator: Accelerator, tp_size: int):
+        self.accelerator, self.mesh = accelerator, None
+        self.rank, self.size = accelerator.process_index, accelerator.num_processes
+        if tp_size > 1:
+            if self.size % tp_size:
+                raise ValueError(
+                    f"--tp_size {tp_size} needs a multiple of {tp_size} processes; this job has {self.size}. Start it "
+                    f"with `torchrun --nproc-per-node {tp_size}` (or a multiple, for data parallelism on top)."
+                )
+            self.mesh = make_mesh(dp=self.size // tp_size, tp=tp_size)
+            self.rank, self.size = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
+
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """Sum or mean over the replicas (the processes of one tensor-parallel group hold the same value)."""
+        if self.mesh is None:
+            return self.accelerator.reduce(tensor, reduction=reduction)
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=self.mesh["dp"].get_group())
+        return tensor / self.size if reduction == "mean" else tensor
+
+    @torch.no_grad()
+    def average_gradients(self, model) -> None:
+        """What DDP does for the replicas of a tensor-parallel model: every gradient (a split one's local shard)
+        averaged over the data-parallel group, in one flat all-reduce."""
+        if self.mesh is None or self.size == 1:
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+        grads = [g for g in grads if g is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads]) / self.size
+        dist.all_reduce(flat, group=self.mesh["dp"].get_group())
+        for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(averaged.view_as(g))
+
+
 def batch_indices(step: int, micro: int, process: int, args: TrainArguments, world: int, n_blocks: int) -> torch.Tensor:
     """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
     b = args.per_device_train_batch_size
@@ -124,14 +175,21 @@ def find_checkpoint(args: TrainArguments) -> Path | None:
     return done[-1]
 
 
-def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int) -> None:
-    """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint)."""
+SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a tensor-parallel model and its optimizer
+
+
+def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, sharded=None) -> None:
+    """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint).
+    sharded: (model, optimizer) that Accelerate does not hold (tensor parallel), saved with their shards."""
     root = Path(args.output_dir, "checkpoints")
     final, staging = root / f"{CHECKPOINT_PREFIX}{step}", root / f"{CHECKPOINT_PREFIX}{step}.saving"
     if accelerator.is_main_process:
         shutil.rmtree(staging, ignore_errors=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
+    if sharded is not None:
+        model_state, optimizer_state = get_state_dict(*sharded)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging / SHARDED)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
@@ -140,21 +198,29 @@ def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int) -
     accelerator.wait_for_everyone()
 
 
+def load_sharded(path: Path, model, optimizer) -> None:
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
 @torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator) -> dict[str, float]:
-    """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across processes."""
+def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator, dp: DataParallel):
+    """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas."""
     model.eval()
     b = args.per_device_train_batch_size
     batches = list(range(0, len(blocks), b))
     if args.eval_batches:
         batches = batches[: args.eval_batches]
     total = torch.zeros(2, device=accelerator.device)
-    for i in batches[accelerator.process_index :: accelerator.num_processes]:
+    for i in batches[dp.rank :: dp.size]:
         batch = blocks[i : i + b].to(accelerator.device)
-        logits = model(batch).logits.float()
+        with accelerator.autocast():
+            logits = model(batch).logits.float()
         total[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
         total[1] += batch[:, 1:].numel()
-    total = accelerator.reduce(total, reduction="sum")
+    total = dp.reduce(total)
     model.train()
     loss = (total[0] / total[1].clamp(min=1)).item()
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
@@ -195,8 +261,9 @@ def main(args: TrainArguments) -> dict:
 
     model = build_model(args, tokenizer)
     args.check_model(model.config)
-    if args.tp_size > 1 or args.pp_size > 1:
-        raise ValueError("--tp_size/--pp_size need hf_ppmoe.parallel, which this build does not include yet.")
+    dp = DataParallel(accelerator, args.tp_size)
+    if dp.mesh is not None:
+        parallelize(model, dp.mesh["tp"])  # every process built the same weights (same seed or checkpoint)
     model.train()
     monitor = RouterMonitor(model)
 
@@ -209,17 +276,22 @@ def main(args: TrainArguments) -> dict:
         eps=args.adam_epsilon,
     )
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    sharded = None
+    if dp.mesh is None:
+        model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    else:  # see the module docstring
+        scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer)
     accelerator.init_trackers("hf-ppmoe", config=json.loads(args.to_json()))
     start_step = 0
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
+        if sharded is not None:
+            load_sharded(checkpoint / SHARDED, *sharded)
         start_step = resume_step
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
 
     config = accelerator.unwrap_model(model).config
-    world, rank = accelerator.num_processes, accelerator.process_index
-    tokens_per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps * args.block_size
+    tokens_per_step = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                disable=not accelerator.is_local_main_process, desc="training", dynamic_ncols=True)
     clock, eval_metrics = time.perf_counter(), {}
@@ -227,14 +299,16 @@ def main(args: TrainArguments) -> dict:
         sums = torch.zeros(3, device=accelerator.device)  # lm, aux, z (means over micro-steps)
         grad_norm = None
         for micro in range(args.gradient_accumulation_steps):
-            batch = blocks[batch_indices(step, micro, rank, args, world, len(blocks))].to(accelerator.device)
+            batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
             with accelerator.accumulate(model):
-                out = model(batch, labels=batch)
+                with accelerator.autocast():
+                    out = model(batch, labels=batch)
                 accelerator.backward(out.loss)
                 if accelerator.sync_gradients:
+                    dp.average_gradients(model)
                     grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
             aux = aux.detach() if aux is not None else torch.zeros((), device=accelerator.device)
             z = z.detach() if z is not None else torch.zeros((), device=accelerator.device)
@@ -242,12 +316,12 @@ def main(args: TrainArguments) -> dict:
             sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
         scheduler.step()
         done = step + 1
-        sums = accelerator.reduce(sums, reduction="mean")
-        router = monitor.collect(lambda t: accelerator.reduce(t.to(accelerator.device), reduction="sum"))
+        sums = dp.reduce(sums, reduction="mean")
+        router = monitor.collect(lambda t: dp.reduce(t.to(accelerator.device)))
         elapsed = time.perf_counter() - clock
         clock = time.perf_counter()
         if done % args.eval_steps == 0 or done == args.max_steps:
-            eval_metrics = evaluate(model, val_blocks, args, accelerator)
+            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp)
             accelerator.log(eval_metrics, step=done)
         if done % args.logging_steps == 0 or done == args.max_steps:
             metrics = {
@@ -258,7 +332,7 @@ def main(args: TrainArguments) -> dict:
             accelerator.log(metrics, step=done)
         bar.set_postfix(loss=f"{sums[0].item():.3f}", aux=f"{sums[1].item():.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.checkpointing_steps and done % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, args, done)
+            save_checkpoint(accelerator, args, done, sharded)
 
     accelerator.wait_for_everyone()
     monitor.remove()

@@ -1,15 +1,15 @@
-"""`hf_ppmoe.training`: data parallel == one process, kill + resume == uninterrupted, logs/plots, argument errors."""
+"""`hf_ppmoe.training`: data parallel, tensor parallel and both == one process, kill + resume == uninterrupted (also
+tensor parallel), logs/plots, argument errors."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from transformers import HfArgumentParser
+import torch
+from transformers import AutoModelForCausalLM, HfArgumentParser
 
 from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.training import TrainArguments, main
@@ -17,6 +17,7 @@ from hf_ppmoe.training.data import builtin_corpus
 from hf_ppmoe.training.tracking import read_jsonl
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+RUNS = Path(__file__).with_name("runs.py")
 
 
 @pytest.fixture(scope="module")
@@ -46,33 +47,33 @@ def flags(corpus, out, steps=4, **extra):
     return [f"--{k}={v}" for k, v in values.items()]
 
 
-def run_cli(argv, launcher=(), timeout=600):
-    cmd = [*launcher, "-m", "hf_ppmoe.training", *argv] if launcher else [sys.executable, "-m", "hf_ppmoe.training", *argv]
+def run_cli(argv, timeout=600):
+    cmd = [sys.executable, "-m", "hf_ppmoe.training", *argv]
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+def launch(nprocs, *runs):
+    """`runs` (lists of flags) one after the other in one torchrun launch of `nprocs` processes."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    result = subprocess.run([*command, str(RUNS), json.dumps(runs)], env=ENV, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def metrics(out, key="train/lm_loss"):
+    return {r["step"]: r[key] for r in read_jsonl(Path(out) / "logs" / "metrics.jsonl") if key in r}
+
+
 def train_losses(out):
-    return {r["step"]: r["train/lm_loss"] for r in read_jsonl(Path(out) / "logs" / "metrics.jsonl") if "train/lm_loss" in r}
+    return metrics(out)
 
 
-def test_two_process_data_parallel_equals_one_process(corpus, tmp_path):
-    """2 processes x 4 sequences == 1 process x 8 sequences. Each data-parallel replica computes its router losses
-    on its own tokens, exactly as GShard's router groups do, so the 1-process reference uses router_num_groups=2."""
-    single = tmp_path / "single"
-    main(_args(corpus, single, config_name=str(corpus / "config_g2.json"), max_steps=3))
-    # `accelerate launch --cpu` starts one process (several CPU processes need MPI); torchrun starts two, and
-    # Accelerate picks them up as a multi-CPU (gloo) data-parallel run
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    result = run_cli(flags(corpus, tmp_path / "dp", steps=3, per_device_train_batch_size=4), launcher=launcher)
-    assert result.returncode == 0, result.stderr[-3000:]
-    a, b = train_losses(single), train_losses(tmp_path / "dp")
-    assert a.keys() == b.keys() == {1, 2, 3}
-    for step in a:
-        assert a[step] == pytest.approx(b[step], rel=1e-5, abs=1e-5), (step, a, b)
-    for key in ("train/aux_loss", "train/grad_norm"):
-        values_a = [r[key] for r in read_jsonl(single / "logs" / "metrics.jsonl") if key in r]
-        values_b = [r[key] for r in read_jsonl(tmp_path / "dp" / "logs" / "metrics.jsonl") if key in r]
-        assert values_a == pytest.approx(values_b, rel=1e-4), key
+def assert_same_run(a, b, steps):
+    """The same losses, router losses and gradient norms per step (float noise of a different summation order)."""
+    for key, tolerance in (("train/lm_loss", 1e-5), ("train/aux_loss", 1e-4), ("train/grad_norm", 1e-4)):
+        values_a, values_b = metrics(a, key), metrics(b, key)
+        assert set(values_a) >= set(steps) and set(values_b) >= set(steps), key
+        for step in steps:
+            assert values_a[step] == pytest.approx(values_b[step], rel=tolerance, abs=tolerance), (key, step)
 
 
 def _args(corpus, out, **extra):
@@ -80,27 +81,100 @@ def _args(corpus, out, **extra):
     return HfArgumentParser(TrainArguments).parse_args_into_dataclasses(flags(corpus, out, **extra))[0]
 
 
-def test_kill_and_resume_equals_uninterrupted(corpus, tmp_path):
-    reference = tmp_path / "reference"
-    main(_args(corpus, reference, max_steps=6, checkpointing_steps=2))
-    expected = train_losses(reference)
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory):
+    """One process, 8 sequences per step, 6 steps, checkpoints every 2."""
+    out = tmp_path_factory.mktemp("reference")
+    main(_args(corpus, out, max_steps=6, checkpointing_steps=2))
+    return out
 
-    run = tmp_path / "killed"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "hf_ppmoe.training", *flags(corpus, run, steps=6, checkpointing_steps=2)],
-        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+
+@pytest.fixture(scope="module")
+def reference_two_groups(corpus, tmp_path_factory):
+    """One process computing its router losses over 2 groups of 4 sequences, as 2 data-parallel replicas do."""
+    out = tmp_path_factory.mktemp("reference_g2")
+    main(_args(corpus, out, config_name=str(corpus / "config_g2.json"), max_steps=3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_processes(corpus, tmp_path_factory):
+    """One launch of 2 processes: data parallel (2 x 4 sequences), tensor parallel (--tp_size 2, 8 sequences, with
+    checkpoints), and tensor parallel resumed from that run's step-4 checkpoint."""
+    root = tmp_path_factory.mktemp("two_processes")
+    tp_checkpoint = root / "tp" / "checkpoints" / "step_4"
+    launch(
+        2,
+        flags(corpus, root / "dp", steps=3, per_device_train_batch_size=4),
+        flags(corpus, root / "tp", steps=6, checkpointing_steps=2, tp_size=2),
+        flags(corpus, root / "tp_resumed", steps=6, checkpointing_steps=2, tp_size=2, resume=tp_checkpoint),
     )
-    deadline = time.time() + 300
-    while not (run / "checkpoints" / "step_4" / "trainer_state.json").exists():
-        assert process.poll() is None and time.time() < deadline, "the run ended before its step-4 checkpoint"
-        time.sleep(0.2)
-    process.send_signal(signal.SIGKILL)
-    process.wait()
-    assert not (run / "model.safetensors").exists(), "the run was killed before it finished"
+    return root
 
-    main(_args(corpus, run, max_steps=6, checkpointing_steps=2, resume="latest"))
-    resumed = train_losses(run)
+
+def test_two_process_data_parallel_equals_one_process(two_processes, reference_two_groups):
+    """2 processes x 4 sequences == 1 process x 8 sequences. Each data-parallel replica computes its router losses
+    on its own tokens, exactly as GShard's router groups do, so the 1-process reference uses router_num_groups=2.
+    (`accelerate launch --cpu` starts one process, several CPU processes need MPI; torchrun starts two, and
+    Accelerate picks them up as a multi-CPU (gloo) data-parallel run.)"""
+    assert set(train_losses(two_processes / "dp")) == {1, 2, 3}
+    assert_same_run(reference_two_groups, two_processes / "dp", steps=[1, 2, 3])
+
+
+def test_two_process_tensor_parallel_equals_one_process(two_processes, reference):
+    """--tp_size 2: attention heads and experts split over the 2 processes (one replica); losses, router losses and
+    gradient norms per step, and the saved whole model, equal the single process's."""
+    assert set(train_losses(two_processes / "tp")) == set(range(1, 7))
+    assert_same_run(reference, two_processes / "tp", steps=range(1, 7))
+    ours, theirs = (AutoModelForCausalLM.from_pretrained(path) for path in (two_processes / "tp", reference))
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_tensor_parallel_resume_equals_uninterrupted(two_processes, reference):
+    """Resumed from the tensor-parallel run's step-4 checkpoint (every process's shards of model and optimizer)."""
+    assert set(train_losses(two_processes / "tp_resumed")) == {5, 6}
+    assert_same_run(reference, two_processes / "tp_resumed", steps=[5, 6])
+
+
+def test_data_times_tensor_parallel_equals_one_process(corpus, reference_two_groups, tmp_path):
+    """4 processes, --tp_size 2: two tensor-parallel replicas of 4 sequences each == 1 process x 8 sequences."""
+    launch(4, flags(corpus, tmp_path, steps=3, per_device_train_batch_size=4, tp_size=2))
+    assert_same_run(reference_two_groups, tmp_path, steps=[1, 2, 3])
+
+
+# Runs the training CLI and SIGKILLs the process right after it has logged step 5, so the kill lands at the same
+# point every time: after the step-4 checkpoint, with a logged step that the resumed run must drop and redo.
+KILLED_AFTER_STEP_5 = """
+import os, signal, sys
+from hf_ppmoe.training.__main__ import cli
+from hf_ppmoe.training.tracking import JSONLinesTracker
+
+log = JSONLinesTracker.log
+
+def log_then_die(self, values, step=None, **kwargs):
+    log(self, values, step, **kwargs)
+    if step == 5 and "train/lm_loss" in values:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+JSONLinesTracker.log = log_then_die
+sys.exit(cli(sys.argv[1:]))
+"""
+
+
+def test_kill_and_resume_equals_uninterrupted(corpus, reference, tmp_path):
+    run = tmp_path / "killed"
+    result = subprocess.run(
+        [sys.executable, "-c", KILLED_AFTER_STEP_5, *flags(corpus, run, steps=6, checkpointing_steps=2)],
+        env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == -9, result.stderr[-3000:]  # killed, not finished or failed
+    assert set(train_losses(run)) == {1, 2, 3, 4, 5} and not (run / "model.safetensors").exists()
+
+    main(_args(corpus, run, max_steps=6, checkpointing_steps=2, resume="latest"))  # from step 4
+    resumed, expected = train_losses(run), train_losses(reference)
     assert resumed.keys() == expected.keys() == set(range(1, 7))
+    assert len([r for r in read_jsonl(run / "logs" / "metrics.jsonl") if "train/lm_loss" in r]) == 6  # step 5 once
     for step in expected:
         assert resumed[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
     assert not list((run / "checkpoints").glob("*.saving"))
@@ -148,6 +222,8 @@ def test_jsonl_and_datasets_sources(tmp_path):
         (dict(mixed_precision="fp8"), "--mixed_precision 'fp8'"),
         (dict(resume="/no/checkpoint"), "no such checkpoint folder"),
         (dict(config_name="/no/config.json"), "does not exist"),
+        (dict(pp_size=2), "pipeline parallelism does not fit this Accelerate loop"),
+        (dict(tp_size=2, mixed_precision="fp16"), "fp16 with --tp_size > 1"),
     ],
 )
 def test_argument_errors_before_any_work(kwargs, message):
@@ -161,6 +237,16 @@ def test_errors_that_need_the_model_config(monkeypatch):
         TrainArguments(tp_size=4, block_size=32).check_model(config)
     with pytest.raises(ValueError, match="--block_size 128 exceeds the model's max_position_embeddings=64"):
         TrainArguments(block_size=128).check_model(config)
+    from transformers import GPT2Config
+
+    with pytest.raises(ValueError, match="this gpt2 model has none"):
+        TrainArguments(tp_size=2).check_model(GPT2Config())
+    from types import SimpleNamespace
+
+    from hf_ppmoe.training.train import DataParallel
+
+    with pytest.raises(ValueError, match="--tp_size 2 needs a multiple of 2 processes; this job has 3"):
+        DataParallel(SimpleNamespace(process_index=0, num_processes=3), tp_size=2)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="--push_to_hub was given but HF_HUB_OFFLINE is set"):
         TrainArguments(push_to_hub=True).validate()
