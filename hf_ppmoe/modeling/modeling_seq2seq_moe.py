@@ -279,13 +279,18 @@ class Seq2SeqMoEStack(nn.Module):
         """[1, N, query_length, key_length]: the bias of key j for query i (at absolute position past_length + i)."""
         query = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_length
         key = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        return self.relative_position_bias(key - query).unsqueeze(0)
+
+    def relative_position_bias(self, relative_position: torch.Tensor) -> torch.Tensor:
+        """relative_position (key position - query position) [..., Q, KV] -> bias [..., N, Q, KV]. Flat beam search
+        (hf_ppmoe.generation) calls it on the decoder to correct the bias of its buffer slots to true positions."""
         buckets = relative_position_bucket(
-            key - query,
+            relative_position,
             bidirectional=self.bidirectional,
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance,
         )
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        return self.relative_attention_bias(buckets).movedim(-1, -3)
 
     def _embed(self, input_ids, inputs_embeds):
         if (input_ids is None) == (inputs_embeds is None):
