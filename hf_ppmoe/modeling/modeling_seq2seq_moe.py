@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
-from transformers.generation import GenerationMixin
 from transformers.loss.loss_utils import ForMaskedLMLoss
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -34,6 +33,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
 from .common import MoEPreTrainedModel, build_norm, mean_router_losses
@@ -603,7 +603,10 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         )
 
 
-class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, GenerationMixin):
+class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGenerationMixin):
+    """`generate(output_router_logits=True, return_dict_in_generate=True)` also returns the routing of both stacks
+    (hf_ppmoe.generation.router_stats)."""
+
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel", "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}
 
