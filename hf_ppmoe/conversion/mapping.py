@@ -159,7 +159,7 @@ class Same(Op):
 
     def __call__(self, xs):
         for k, x in enumerate(xs[1:], 1):
-            if x.shape != xs[0].shape or not torch.equal(x, xs[0]):
+            if x.shape != xs[0].shape or not (x.is_meta or torch.equal(x, xs[0])):  # values are checked when read
                 raise ConversionError(f"{self.label} {k} differs from {self.label} 0; they must be equal copies")
         return [xs[0]]
 
@@ -231,7 +231,7 @@ class DeinterleaveQKV(Op):
         (qkv,) = xs
         g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, qkv.shape[1:]
         if qkv.shape[0] != g * (r + 2) * d:
-            raise ConversionError(f"a fused qkv of {self.heads} heads in {g} groups needs {g * (r + 2) * d} rows, got {shape_str(qkv)}")
+            raise ConversionError(f"{self.heads} heads in {g} groups make {g * (r + 2) * d} qkv rows, not {shape_str(qkv)}")
         q, k, v = qkv.reshape(g, (r + 2) * d, *tail).split([r * d, d, d], dim=1)
         return [q.reshape(g * r * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)]
 
