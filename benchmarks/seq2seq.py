@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import statistics
 import time
 
@@ -22,9 +21,9 @@ import torch
 from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
 
 from hf_ppmoe import Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
-from hf_ppmoe.conversion.t5 import state_dict_from_t5
-
-SWITCH_MOE = re.compile(r"(encoder|decoder)\.block\.(\d+)\.layer\.\d\.mlp\.(router\.classifier|experts\.expert_(\d+)\.(wi|wo))\.weight")
+from hf_ppmoe.conversion import ARCHITECTURES
+from hf_ppmoe.conversion.io import model_tensors
+from hf_ppmoe.conversion.mapping import materialize
 
 
 def parse_args(argv=None):
@@ -79,22 +78,12 @@ def build_models(a):
 
 @torch.no_grad()
 def load_switch_weights(ours, switch):
-    """Switch's weights into ours, so that both route every token to the same expert and do the same work (T5
-    names through hf_ppmoe.conversion.t5; Switch's experts stacked into ours)."""
-    t5_names, state = {}, ours.state_dict()
-    for name, tensor in switch.state_dict().items():
-        match = SWITCH_MOE.fullmatch(name)
-        if match is None:
-            t5_names[name.replace(".mlp.", ".DenseReluDense.")] = tensor
-            continue
-        stack, i, what, e, proj = match.groups()
-        prefix = f"model.{stack}.layers.{i}.mlp"
-        if what == "router.classifier":
-            state[f"{prefix}.gate.weight"].copy_(tensor)
-        else:
-            state[f"{prefix}.experts.{'up_proj' if proj == 'wi' else 'down_proj'}"][int(e)].copy_(tensor)
-    for name, tensor in state_dict_from_t5(t5_names, ours.config).items():
-        state[name].copy_(tensor)
+    """Switch's weights into ours through the import table (hf_ppmoe.conversion.t5.switch_rules), so that both
+    route every token to the same expert and do the same work."""
+    tensors = model_tensors(switch)
+    mapping = ARCHITECTURES["switch_transformers"].mapping(switch.config, frozenset(tensors.keys()))
+    missing, unexpected = ours.load_state_dict(materialize(mapping.apply(tensors)), strict=False)
+    assert not unexpected and all(name.endswith("embed_tokens.weight") or name == "lm_head.weight" for name in missing)
 
 
 def make_batch(a, generator):

@@ -8,9 +8,9 @@ from transformers import HfArgumentParser
 
 COMMANDS = {
     "demo": "Train a small GPT-MoE on the built-in corpus, show expert load, generate text.",
-    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2) into a GPT-MoE: hf-ppmoe upcycle SRC OUT.",
-    "merge": "Merge a GPT-MoE's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
-    "import": "Import an MoE checkpoint (Mixtral) into GPT-MoE: hf-ppmoe import SRC OUT.",
+    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
+    "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
+    "import": "Import an MoE checkpoint (Mixtral; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
 }
 
 

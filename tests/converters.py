@@ -43,8 +43,13 @@ def dense_config(arch: str):
 
 
 def build_dense(arch: str, seed: int = 0):
+    """A tiny random model of `arch`: a name of `dense_config`, "t5-v1.0", "t5-v1.1" or "switch"."""
     from transformers import AutoModelForCausalLM
 
+    if arch.startswith("t5-"):
+        return tiny_t5(arch.removeprefix("t5-"), seed=seed)
+    if arch == "switch":
+        return tiny_switch(seed=seed)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(dense_config(arch)).eval()
     # Transformers initialises norms to ones and biases to zeros; random values make the maps' mistakes visible
@@ -53,6 +58,79 @@ def build_dense(arch: str, seed: int = 0):
             if p.dim() == 1:
                 p.normal_(1.0 if "norm" in name or "ln_" in name else 0.0, 0.1)
     return model
+
+
+T5_VERSIONS = {
+    # v1.0: ReLU FFN, head tied to the embeddings and fed decoder_output * d_model**-0.5
+    "v1.0": dict(feed_forward_proj="relu", tie_word_embeddings=True),
+    # v1.1: gated GELU, untied head, no rescaling
+    "v1.1": dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False),
+}
+# encoder and decoder of different depths; sequences longer than max_distance; d_kv * heads != d_model
+_T5_SIZES = dict(d_model=32, d_kv=12, d_ff=56, num_layers=3, num_decoder_layers=2, num_heads=3,
+                 relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.1,
+                 decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
+
+
+def _widen(model):
+    """T5's init keeps activations tiny; widen it so that every weight matters in the logits (not further: wider
+    weights amplify float rounding, e.g. of top-k weights that sum to one, past the 1e-4 the tests allow)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.normal_(1.0, 0.2) if "layer_norm" in name else p.normal_(0.0, 1.0 if name == "shared.weight" else 0.2)
+    return model.eval()
+
+
+def tiny_t5(version: str, attn: str = "sdpa", seed: int = 0, **overrides):
+    from torch import nn
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    config = T5Config(**(dict(vocab_size=len(tokenizer()), **_T5_SIZES, **T5_VERSIONS[version]) | overrides))
+    model = T5ForConditionalGeneration(config)
+    model.set_attn_implementation(attn)
+    _widen(model)
+    if version == "v1.1":
+        # Transformers 5 ties T5's head even for v1.1 configs (real v1.1 checkpoints load untied): untie it
+        model.lm_head.weight = nn.Parameter(torch.randn_like(model.shared.weight) * 0.5)
+    return model
+
+
+def tiny_switch(seed: int = 0, tie_word_embeddings: bool = True, **overrides):
+    """A Switch Transformers model: 4 experts, sparse blocks 1 of the encoder (3 blocks) and of the decoder (2),
+    an expert capacity no test sequence reaches (Switch drops tokens past it, our import is dropless)."""
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    torch.manual_seed(seed)
+    switch = dict(num_experts=4, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, expert_capacity=64,
+                  router_jitter_noise=0.0, dense_act_fn="relu", tie_word_embeddings=tie_word_embeddings)
+    config = SwitchTransformersConfig(**(dict(vocab_size=len(tokenizer()), **_T5_SIZES, **switch) | overrides))
+    model = _widen(SwitchTransformersForConditionalGeneration(config))
+    if not tie_word_embeddings:  # Transformers 5 then unties the stacks' embeddings too; ours share one
+        model.encoder.embed_tokens.weight = model.decoder.embed_tokens.weight = model.shared.weight
+    return model
+
+
+def seq2seq_inputs(batch: int = 2, source: int = 24, target: int = 22, seed: int = 1) -> dict:
+    """Encoder ids with padding on both sides, and decoder ids: sequences longer than max_distance."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, len(tokenizer()), (batch, source), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, -5:] = 0
+    mask[-1, :3] = 0
+    decoder_ids = torch.randint(3, len(tokenizer()), (batch, target), generator=g)
+    return dict(input_ids=ids, attention_mask=mask, decoder_input_ids=decoder_ids)
+
+
+def assert_same_seq2seq_outputs(reference, model, inputs=None, new_tokens: int = 8):
+    """Logits equal (atol 1e-4, float32) and greedy generation gives the same tokens (padded encoder inputs)."""
+    inputs = seq2seq_inputs() if inputs is None else inputs
+    with torch.no_grad():
+        expected = reference(**inputs).logits
+        assert expected.abs().max() > 1.0  # not a degenerate model
+        torch.testing.assert_close(model(**inputs).logits, expected, atol=1e-4, rtol=0)
+    kw = dict(attention_mask=inputs["attention_mask"], max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(inputs["input_ids"], **kw), reference.generate(inputs["input_ids"], **kw))
 
 
 def save_dense(model, folder: Path) -> Path:

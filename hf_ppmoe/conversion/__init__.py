@@ -1,5 +1,6 @@
 """Checkpoint converters (see DESIGN.md, "Conversion"): dense -> MoE (`upcycle`), MoE -> dense (`merge_experts`),
-MoE imports (`import_moe`); `t5.py`: T5 <-> Seq2Seq-MoE weight names; `megatron.py`: HF <-> Megatron-LM weights.
+MoE imports (`import_moe`), for decoders (GPT-2, Llama, Mistral, Qwen2, Mixtral <-> GPT-MoE; architectures.py) and
+encoder-decoders (T5, Switch Transformers <-> Seq2Seq-MoE; t5.py); `megatron.py`: GPT-MoE <-> Megatron-LM weights.
 
 Each conversion is a chain of declarative, reversible weight-name tables (`mapping.py`) applied lazily to a source
 read with `safe_open`, checked whole on meta tensors, and written tensor by tensor into a temporary folder that is
@@ -9,7 +10,7 @@ renamed into place at the end.
 from .architectures import ARCHITECTURES, Architecture, get_architecture
 from .mapping import ConversionError, Mapping, Rule
 from .merge import MERGE_METHODS, expert_usage, merge_experts
-from .upcycle import ROUTER_INITS, expert_output_scale, experts_mapping, gate_renormalizes, import_moe, upcycle
+from .upcycle import ROUTER_INITS, expert_output_scale, experts_mapping, gate_renormalizes, import_moe, moe_ffns, upcycle
 
 __all__ = [
     "ARCHITECTURES",
@@ -26,5 +27,6 @@ __all__ = [
     "get_architecture",
     "import_moe",
     "merge_experts",
+    "moe_ffns",
     "upcycle",
 ]

@@ -1,9 +1,9 @@
-"""Supported source architectures: how each config becomes a `GPTMoEConfig`, and the table of weight names between
-its checkpoints and GPT-MoE's.
+"""Supported source architectures: how each config becomes a GPT-MoE or Seq2Seq-MoE config, and the table of weight
+names between its checkpoints and ours.
 
 Each table is declarative and reversible (see mapping.py): upcycling applies it forward, merging applies its inverse.
 GPT-MoE names: model.embed_tokens, model.embed_positions (learned positions), model.layers.{i}.{input_layernorm,
-self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.*}, model.norm, lm_head.
+self_attn.{q,k,v,o}_proj, post_attention_layernorm, mlp.*}, model.norm, lm_head. Seq2Seq-MoE names: see t5.py.
 """
 
 from __future__ import annotations
@@ -11,27 +11,37 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .mapping import Chain, ConversionError, Mapping, Rule, Split, Stack, Concat, Transpose, rename
+from .mapping import Chain, Concat, ConversionError, Mapping, Rule, Split, Stack, Transpose, rename
+from .t5 import T5_IGNORED, switch_dense_twin, switch_fields, switch_rules, t5_ffn_modules, t5_fields, t5_rules
 
 
 @dataclass(frozen=True)
 class Architecture:
+    """A source architecture. `fields` and `rules` read the source config and the names of the source's tensors
+    (a T5 checkpoint shows an untied head only by storing it)."""
+
     model_type: str
     dense_class: str  # the Transformers class of the source (of its dense twin for an MoE source)
-    gpt_moe_fields: Callable  # source config -> GPTMoEConfig keyword arguments
-    rules: Callable  # source config -> list[Rule], source names -> GPT-MoE names
-    ffn_module: str  # the dense FFN module of layer {i} (its input is what a router sees)
+    fields: Callable  # (source config, names) -> keyword arguments of the target config
+    rules: Callable  # (source config, names) -> list[Rule], source names -> target names
+    ffn_modules: Callable  # source config -> the dense FFN module of every FFN, in the target's order (router input)
+    family: str = "gpt_moe"  # the target's model_type: "gpt_moe" (decoders) or "seq2seq_moe" (encoder-decoders)
     base_prefix: str = "model."  # some Hub checkpoints were saved from the base model, without this prefix
     ignore: tuple[str, ...] = ()  # source tensors that hold no weights (old checkpoints' buffers)
     moe_class: str | None = None  # set for MoE sources, which are imported rather than upcycled
     dense_twin: Callable | None = None  # MoE source config -> the config of its dense architecture
 
-    def mapping(self, config) -> Mapping:
-        return Mapping(self.rules(config), num_layers=config.num_hidden_layers, num_experts=_experts(config), ignore=self.ignore)
+    def mapping(self, config, names=frozenset()) -> Mapping:
+        rules = self.rules(config, names)
+        return Mapping(rules, num_layers=config.num_hidden_layers, num_experts=_experts(config), ignore=self.ignore)
 
 
 def _experts(config) -> int:
-    return getattr(config, "num_local_experts", 0)
+    return getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+
+
+def _every_layer(template: str) -> Callable:
+    return lambda c: [template.replace("{i}", str(i)) for i in range(c.num_hidden_layers)]
 
 
 def _common_fields(c) -> dict:
@@ -51,7 +61,7 @@ def _common_fields(c) -> dict:
 # --------------------------------------------------------------------------------------------------- GPT-2
 
 
-def _gpt2_fields(c) -> dict:
+def _gpt2_fields(c, _names=frozenset()) -> dict:
     unsupported = {
         "scale_attn_weights": (c.scale_attn_weights, True),
         "scale_attn_by_inverse_layer_idx": (c.scale_attn_by_inverse_layer_idx, False),
@@ -80,7 +90,7 @@ def _gpt2_fields(c) -> dict:
     )
 
 
-def _gpt2_rules(c) -> list[Rule]:
+def _gpt2_rules(c, _names=frozenset()) -> list[Rule]:
     h, m = "transformer.h.{i}.", "model.layers.{i}."
     qkv = tuple(f"{m}self_attn.{p}_proj" for p in "qkv")
     rules = [
@@ -143,25 +153,25 @@ def _llama_names(c, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, dense_mlp: 
     return names
 
 
-def _llama_fields(c):
+def _llama_fields(c, _names=frozenset()):
     return _rotary_fields(
         c, attention_bias=c.attention_bias, attention_output_bias=c.attention_bias, mlp_bias=c.mlp_bias, sliding_window=None
     )
 
 
-def _llama_rules(c):
+def _llama_rules(c, _names=frozenset()):
     return [rename(n, n) for n in _llama_names(c, qkv_bias=c.attention_bias, o_bias=c.attention_bias, mlp_bias=c.mlp_bias)]
 
 
-def _mistral_fields(c):
+def _mistral_fields(c, _names=frozenset()):
     return _rotary_fields(c, attention_bias=False, attention_output_bias=False, mlp_bias=False, sliding_window=c.sliding_window)
 
 
-def _mistral_rules(c):
+def _mistral_rules(c, _names=frozenset()):
     return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False)]
 
 
-def _qwen2_fields(c):
+def _qwen2_fields(c, _names=frozenset()):
     kinds = set(c.layer_types)
     if len(kinds) > 1:
         raise ConversionError(
@@ -172,11 +182,11 @@ def _qwen2_fields(c):
     return _rotary_fields(c, attention_bias=True, attention_output_bias=False, mlp_bias=False, sliding_window=window)
 
 
-def _qwen2_rules(c):
+def _qwen2_rules(c, _names=frozenset()):
     return [rename(n, n) for n in _llama_names(c, qkv_bias=True, o_bias=False, mlp_bias=False)]
 
 
-def _mixtral_fields(c):
+def _mixtral_fields(c, _names=frozenset()):
     return dict(
         _mistral_fields(c),
         num_experts=c.num_local_experts,
@@ -193,7 +203,7 @@ def _mixtral_fields(c):
     )
 
 
-def _mixtral_rules(c):
+def _mixtral_rules(c, _names=frozenset()):
     s, m = "model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."
     return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False, dense_mlp=False)] + [
         rename(s + "gate.weight", m + "gate.weight"),
@@ -223,13 +233,20 @@ def _mixtral_dense_twin(c):
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in [
-        Architecture("gpt2", "GPT2LMHeadModel", _gpt2_fields, _gpt2_rules, "transformer.h.{i}.mlp", "transformer.",
-                     ignore=(r"\.attn\.(masked_)?bias$",)),
-        Architecture("llama", "LlamaForCausalLM", _llama_fields, _llama_rules, "model.layers.{i}.mlp", ignore=(r"rotary_emb\.inv_freq$",)),
-        Architecture("mistral", "MistralForCausalLM", _mistral_fields, _mistral_rules, "model.layers.{i}.mlp"),
-        Architecture("qwen2", "Qwen2ForCausalLM", _qwen2_fields, _qwen2_rules, "model.layers.{i}.mlp"),
-        Architecture("mixtral", "MistralForCausalLM", _mixtral_fields, _mixtral_rules, "model.layers.{i}.block_sparse_moe",
-                     moe_class="MixtralForCausalLM", dense_twin=_mixtral_dense_twin),
+        Architecture("gpt2", "GPT2LMHeadModel", _gpt2_fields, _gpt2_rules, _every_layer("transformer.h.{i}.mlp"),
+                     base_prefix="transformer.", ignore=(r"\.attn\.(masked_)?bias$",)),
+        Architecture("llama", "LlamaForCausalLM", _llama_fields, _llama_rules, _every_layer("model.layers.{i}.mlp"),
+                     ignore=(r"rotary_emb\.inv_freq$",)),
+        Architecture("mistral", "MistralForCausalLM", _mistral_fields, _mistral_rules, _every_layer("model.layers.{i}.mlp")),
+        Architecture("qwen2", "Qwen2ForCausalLM", _qwen2_fields, _qwen2_rules, _every_layer("model.layers.{i}.mlp")),
+        Architecture("t5", "T5ForConditionalGeneration", t5_fields, t5_rules, t5_ffn_modules, "seq2seq_moe",
+                     base_prefix="", ignore=T5_IGNORED),
+        Architecture("mixtral", "MistralForCausalLM", _mixtral_fields, _mixtral_rules,
+                     _every_layer("model.layers.{i}.block_sparse_moe"), moe_class="MixtralForCausalLM",
+                     dense_twin=_mixtral_dense_twin),
+        Architecture("switch_transformers", "T5ForConditionalGeneration", switch_fields, switch_rules, t5_ffn_modules,
+                     "seq2seq_moe", base_prefix="", ignore=T5_IGNORED,
+                     moe_class="SwitchTransformersForConditionalGeneration", dense_twin=switch_dense_twin),
     ]
 }
 

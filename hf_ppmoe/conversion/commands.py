@@ -32,6 +32,12 @@ class UpcycleArguments(_Output, _Paths):
     router_type: str = field(default="topk", metadata=_help("Gate: topk, switch, gshard, prototype, or a registered one."))
     moe_layer_frequency: int = field(default=2, metadata=_help("Every n-th FFN becomes MoE (1: all)."))
     moe_layers: list[int] | None = field(default=None, metadata=_help("Explicit FFN indices to make MoE (overrides the frequency)."))
+    encoder_moe_layers: list[int] | None = field(default=None, metadata=_help("T5: encoder FFNs to make MoE."))
+    decoder_moe_layers: list[int] | None = field(default=None, metadata=_help("T5: decoder FFNs to make MoE."))
+    no_encoder_moe: bool = field(default=False, metadata=_help("T5: keep every encoder FFN dense."))
+    no_decoder_moe: bool = field(default=False, metadata=_help("T5: keep every decoder FFN dense."))
+    encoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th encoder FFN becomes MoE."))
+    decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
     router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
     sample_file: str | None = field(default=None, metadata=_help("router_init=hidden: a file with one text per expert, one per line."))
@@ -61,6 +67,15 @@ def _texts(args) -> list[str] | None:
     return texts or None
 
 
+def _stack_placement(args: UpcycleArguments) -> dict:
+    """The per-stack options that were given (Seq2SeqMoEConfig fields; a decoder-only source refuses them)."""
+    placement = {}
+    for stack in ("encoder", "decoder"):
+        placement[f"{stack}_moe_layers"] = [] if getattr(args, f"no_{stack}_moe") else getattr(args, f"{stack}_moe_layers")
+        placement[f"{stack}_moe_layer_frequency"] = getattr(args, f"{stack}_moe_layer_frequency")
+    return {k: v for k, v in placement.items() if v is not None}
+
+
 def run_upcycle(args: UpcycleArguments) -> Path:
     return upcycle(
         args.source,
@@ -75,6 +90,7 @@ def run_upcycle(args: UpcycleArguments) -> Path:
         seed=args.seed,
         capacity_factor=args.capacity_factor,
         norm_topk_prob=args.norm_topk_prob,
+        **_stack_placement(args),
         save_directory=args.output,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
@@ -102,7 +118,7 @@ def run_import(args: ImportArguments) -> Path:
 
 
 COMMANDS = {
-    "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2) into a GPT-MoE."),
-    "merge": (MergeArguments, run_merge, "Merge a GPT-MoE's experts back into its dense architecture."),
-    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral) into GPT-MoE."),
+    "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, T5) into an MoE model."),
+    "merge": (MergeArguments, run_merge, "Merge an MoE model's experts back into its dense architecture."),
+    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Switch Transformers) into our classes."),
 }

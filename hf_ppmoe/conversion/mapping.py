@@ -69,31 +69,44 @@ class Transpose(Op):
 
 @dataclass(frozen=True)
 class Split(Op):
-    """One tensor -> `parts` equal chunks along `dim` (a fused q/k/v, or gate/up)."""
+    """One tensor -> `parts` equal chunks along `dim` (a fused q/k/v, or gate/up).
+
+    blocks > 1: the tensor is `blocks` equal blocks along `dim` and chunk r is the r-th piece of every block, joined
+    (how tensor parallelism splits a fused [gate; up]: rank r holds [gate_r; up_r])."""
 
     dim: int
     parts: int
+    blocks: int = 1
 
     def __call__(self, xs):
         (x,) = xs
-        if x.shape[self.dim] % self.parts:
-            raise ConversionError(f"cannot split a tensor of shape {shape_str(x)} into {self.parts} equal parts along dim {self.dim}")
-        return list(x.chunk(self.parts, self.dim))
+        if x.shape[self.dim] % (self.parts * self.blocks):
+            raise ConversionError(
+                f"cannot split a tensor of shape {shape_str(x)} into {self.parts * self.blocks} equal parts along dim {self.dim}"
+            )
+        if self.blocks == 1:
+            return list(x.chunk(self.parts, self.dim))
+        pieces = [block.chunk(self.parts, self.dim) for block in x.chunk(self.blocks, self.dim)]
+        return [torch.cat([p[r] for p in pieces], self.dim) for r in range(self.parts)]
 
     def inverse(self):
-        return Concat(self.dim, self.parts)
+        return Concat(self.dim, self.parts, self.blocks)
 
 
 @dataclass(frozen=True)
 class Concat(Op):
     dim: int
     parts: int
+    blocks: int = 1
 
     def __call__(self, xs):
-        return [torch.cat(xs, self.dim)]
+        if self.blocks == 1:
+            return [torch.cat(xs, self.dim)]
+        pieces = [x.chunk(self.blocks, self.dim) for x in xs]
+        return [torch.cat([p[b] for b in range(self.blocks) for p in pieces], self.dim)]
 
     def inverse(self):
-        return Split(self.dim, self.parts)
+        return Split(self.dim, self.parts, self.blocks)
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,111 @@ class Unstack(Op):
 
     def inverse(self):
         return Stack(self.groups)
+
+
+@dataclass(frozen=True)
+class Copies(Op):
+    """One tensor -> `n` copies of it (a tensor every tensor-parallel rank holds). Inverse: `Same`."""
+
+    n: int
+    label: str = "tensor"
+
+    def __call__(self, xs):
+        (x,) = xs
+        return [x] * self.n
+
+    def inverse(self):
+        return Same(self.n, self.label)
+
+
+@dataclass(frozen=True)
+class Same(Op):
+    """`n` tensors that must be equal -> one of them (T5's tied embedding copies, replicated tensor-parallel
+    weights); unequal ones are an error, never a silent choice. Inverse: `Copies`."""
+
+    n: int
+    label: str = "tensor"
+
+    def __call__(self, xs):
+        for k, x in enumerate(xs[1:], 1):
+            if x.shape != xs[0].shape or not (x.is_meta or torch.equal(x, xs[0])):  # values are checked when read
+                raise ConversionError(f"{self.label} {k} differs from {self.label} 0; they must be equal copies")
+        return [xs[0]]
+
+    def inverse(self):
+        return Copies(self.n, self.label)
+
+
+@dataclass(frozen=True)
+class PadRows(Op):
+    """[rows, ...] -> [padded_rows, ...] with zero rows (Megatron pads its vocabulary to a multiple of 128 * TP).
+    Inverse: `CropRows`."""
+
+    rows: int
+    padded_rows: int
+
+    def __call__(self, xs):
+        (x,) = xs
+        if x.shape[0] != self.rows:
+            raise ConversionError(f"expected {self.rows} rows, got a tensor of shape {shape_str(x)}")
+        return [torch.cat([x, x.new_zeros(self.padded_rows - self.rows, *x.shape[1:])])]
+
+    def inverse(self):
+        return CropRows(self.rows, self.padded_rows)
+
+
+@dataclass(frozen=True)
+class CropRows(Op):
+    """[>= rows, ...] -> its first `rows` rows (drops a padded vocabulary's extra rows)."""
+
+    rows: int
+    padded_rows: int
+
+    def __call__(self, xs):
+        (x,) = xs
+        if x.shape[0] < self.rows:
+            raise ConversionError(f"a vocabulary tensor of shape {shape_str(x)} has fewer than {self.rows} rows")
+        return [x[: self.rows]]
+
+    def inverse(self):
+        return PadRows(self.rows, self.padded_rows)
+
+
+@dataclass(frozen=True)
+class InterleaveQKV(Op):
+    """q [nh*d, ...], k, v [ng*d, ...] -> qkv [ng*(nh/ng + 2)*d, ...]: per KV group g, its nh/ng q heads, then k_g,
+    then v_g (Megatron's fused linear_qkv). Inverse: `DeinterleaveQKV`."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+    def __call__(self, xs):
+        q, k, v = xs
+        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, q.shape[1:]
+        qkv = torch.cat([q.reshape(g, r * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+        return [qkv.reshape(g * (r + 2) * d, *tail)]
+
+    def inverse(self):
+        return DeinterleaveQKV(self.heads, self.groups, self.head_dim)
+
+
+@dataclass(frozen=True)
+class DeinterleaveQKV(Op):
+    heads: int
+    groups: int
+    head_dim: int
+
+    def __call__(self, xs):
+        (qkv,) = xs
+        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, qkv.shape[1:]
+        if qkv.shape[0] != g * (r + 2) * d:
+            raise ConversionError(f"{self.heads} heads in {g} groups make {g * (r + 2) * d} qkv rows, not {shape_str(qkv)}")
+        q, k, v = qkv.reshape(g, (r + 2) * d, *tail).split([r * d, d, d], dim=1)
+        return [q.reshape(g * r * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)]
+
+    def inverse(self):
+        return InterleaveQKV(self.heads, self.groups, self.head_dim)
 
 
 def _in_float64(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -331,6 +449,11 @@ class TensorSource:
 
     def describe(self, name: str) -> str:
         return name
+
+
+def materialize(source: TensorSource) -> dict[str, torch.Tensor]:
+    """Every tensor of `source`, computed (for conversions of in-memory state dicts)."""
+    return {name: source.get(name) for name in source.keys()}
 
 
 class DictSource(TensorSource):

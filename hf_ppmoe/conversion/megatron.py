@@ -3,17 +3,18 @@ builds (local layer spec, experts on the tensor-parallel group). Needs torch onl
 
 Legend: L layers, H hidden, I FFN inner size, E experts, V vocabulary (Vp padded), nh heads, ng KV groups, d head dim.
 
-Two declarative, reversible tables drive both directions (the round trip is bit-exact):
+Both directions are `mapping.py` tables and ops, so the round trip is bit-exact:
 - `rules(config, Vp)`: our weight names <-> megatron-core names of the whole, unsharded model, each with an exact op:
       model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
           InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
-      model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  StackRows: [gate; up]
+      model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  Concat: [gate; up]
       model.layers.{i}.mlp.experts.gate_up_proj [E, H, 2I] (input-first, [gate | up])
-          -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   SplitExperts: W[e].T
+          -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   Transpose, Unstack
       model.embed_tokens.weight [V, H] -> embedding.word_embeddings.weight [Vp, H]        PadRows: zero rows
-- `SHARDING`: how each megatron-core tensor is split over tensor-parallel ranks: column (dim 0), gated fc1 (rank r
-  holds [gate_r; up_r], not a slice of [gate; up]), row (dim 1), replicated (checked equal when merging), or expert
-  (expert e on rank e // (E / TP) as local expert e % (E / TP), unsplit: expert_tensor_parallel_size = 1).
+- `SHARDING`: how each megatron-core tensor is split over tensor-parallel ranks (`tp_op`): column (Split along
+  dim 0), gated fc1 (rank r holds [gate_r; up_r], not a slice of [gate; up]: Split with blocks=2), row (Split along
+  dim 1), replicated (Copies; checked equal when merging), or expert (expert e on rank e // (E / TP) as local
+  expert e % (E / TP), unsplit: expert_tensor_parallel_size = 1).
   Pipeline stages hold contiguous blocks of L / PP layers, renumbered from 0; the embedding lives on the first stage,
   the final norm and output layer on the last (with tied embeddings and PP > 1, the last stage keeps a copy).
 
@@ -30,114 +31,30 @@ Output is written to a temporary folder and renamed into place. Command line:
 from __future__ import annotations
 
 import argparse
-import os
 import pickle
 import re
-import shutil
-import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-
-class ConversionError(ValueError):
-    """A checkpoint cannot be converted; the message names the tensors, files or settings at fault."""
-
-
-def _shape(t) -> str:
-    return "[" + ", ".join(map(str, t.shape)) + "]"
-
-
-# ----------------------------------------------------------------------------------------------------------- ops
-
-
-class Op:
-    """HF tensors -> megatron-core tensors (`forward`) and back (`backward`), exactly."""
-
-    def forward(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(xs)
-
-    def backward(self, ys: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(ys)
-
-
-SAME = Op()
-
-
-@dataclass(frozen=True)
-class PadRows(Op):
-    """[V, H] -> [Vp, H] with zero rows (Megatron pads the vocabulary to a multiple of 128 * TP)."""
-
-    rows: int
-    padded_rows: int
-
-    def forward(self, xs):
-        (x,) = xs
-        return [torch.cat([x, x.new_zeros(self.padded_rows - self.rows, *x.shape[1:])])]
-
-    def backward(self, ys):
-        (y,) = ys
-        if y.shape[0] < self.rows:
-            raise ConversionError(f"vocabulary tensor {_shape(y)} has fewer than vocab_size={self.rows} rows")
-        return [y[: self.rows]]
-
-
-@dataclass(frozen=True)
-class InterleaveQKV(Op):
-    """q [nh*d, ...], k, v [ng*d, ...] -> qkv [ng*(nh/ng + 2)*d, ...]: per KV group g, its q heads, k_g, v_g."""
-
-    heads: int
-    groups: int
-    head_dim: int
-
-    def forward(self, xs):
-        q, k, v = xs
-        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, q.shape[1:]
-        qkv = torch.cat([q.reshape(g, r * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
-        return [qkv.reshape(g * (r + 2) * d, *tail)]
-
-    def backward(self, ys):
-        (qkv,) = ys
-        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, qkv.shape[1:]
-        q, k, v = qkv.reshape(g, (r + 2) * d, *tail).split([r * d, d, d], dim=1)
-        return [q.reshape(g * r * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)]
-
-
-@dataclass(frozen=True)
-class StackRows(Op):
-    """gate [I, ...], up [I, ...] -> fc1 [2I, ...] = [gate; up] (Megatron's GLU takes the first half as the gate)."""
-
-    def forward(self, xs):
-        return [torch.cat(xs, dim=0)]
-
-    def backward(self, ys):
-        return list(ys[0].chunk(2, dim=0))
-
-
-@dataclass(frozen=True)
-class SplitExperts(Op):
-    """Stacked experts [E, ...] -> one tensor per expert; `transpose`: our input-first [in, out] -> Linear [out, in]."""
-
-    transpose: bool
-
-    def forward(self, xs):
-        return [x.t() if self.transpose else x for x in xs[0].unbind(0)]
-
-    def backward(self, ys):
-        return [torch.stack([y.t() if self.transpose else y for y in ys])]
-
-
-@dataclass(frozen=True)
-class Rule:
-    """HF tensors `hf` <-> megatron-core tensor(s) `mcore` ("{e}" in the name: one tensor per expert)."""
-
-    hf: tuple[str, ...]
-    mcore: str
-    op: Op = SAME
-
-    def mcore_names(self, num_experts: int) -> list[str]:
-        return [self.mcore.format(e=e) for e in range(num_experts)] if "{e}" in self.mcore else [self.mcore]
+from .io import atomic_folder
+from .mapping import (
+    Chain,
+    Concat,
+    ConversionError,
+    Copies,
+    DictSource,
+    InterleaveQKV,
+    Mapping,
+    PadRows,
+    Rule,
+    Split,
+    Transpose,
+    Unstack,
+    materialize,
+    rename,
+    shape_str,
+)
 
 
 def _mlp_rules(hf: str, mc: str, config) -> list[Rule]:
@@ -145,11 +62,11 @@ def _mlp_rules(hf: str, mc: str, config) -> list[Rule]:
     params = ("weight", "bias") if config.mlp_bias else ("weight",)
     out = []
     for p in params:
-        if config.gated_mlp:
-            out.append(Rule((f"{hf}gate_proj.{p}", f"{hf}up_proj.{p}"), f"{mc}linear_fc1.{p}", StackRows()))
+        if config.gated_mlp:  # [gate; up]: Megatron's GLU takes the first half as the gate
+            out.append(Rule((f"{hf}gate_proj.{p}", f"{hf}up_proj.{p}"), (f"{mc}linear_fc1.{p}",), Concat(0, 2)))
         else:
-            out.append(Rule((f"{hf}up_proj.{p}",), f"{mc}linear_fc1.{p}"))
-        out.append(Rule((f"{hf}down_proj.{p}",), f"{mc}linear_fc2.{p}"))
+            out.append(rename(f"{hf}up_proj.{p}", f"{mc}linear_fc1.{p}"))
+        out.append(rename(f"{hf}down_proj.{p}", f"{mc}linear_fc2.{p}"))
     return out
 
 
@@ -159,37 +76,43 @@ def rules(config, padded_vocab: int) -> list[Rule]:
     qkv = InterleaveQKV(config.num_attention_heads, config.num_key_value_heads, head_dim)
     norm = ("weight", "bias") if config.norm_type == "layernorm" else ("weight",)
     vocab = PadRows(config.vocab_size, padded_vocab)
-    table = [Rule(("model.embed_tokens.weight",), "embedding.word_embeddings.weight", vocab)]
+    table = [rename("model.embed_tokens.weight", "embedding.word_embeddings.weight", vocab)]
     if config.position_embedding_type == "learned":
-        table.append(Rule(("model.embed_positions.weight",), "embedding.position_embeddings.weight"))
+        table.append(rename("model.embed_positions.weight", "embedding.position_embeddings.weight"))
     for i in range(config.num_hidden_layers):
         hf, mc = f"model.layers.{i}.", f"decoder.layers.{i}."
         for p in norm:
-            table.append(Rule((f"{hf}input_layernorm.{p}",), f"{mc}input_layernorm.{p}"))
-            table.append(Rule((f"{hf}post_attention_layernorm.{p}",), f"{mc}pre_mlp_layernorm.{p}"))
+            table.append(rename(f"{hf}input_layernorm.{p}", f"{mc}input_layernorm.{p}"))
+            table.append(rename(f"{hf}post_attention_layernorm.{p}", f"{mc}pre_mlp_layernorm.{p}"))
         for p in ("weight", "bias") if config.attention_bias else ("weight",):
             names = tuple(f"{hf}self_attn.{x}_proj.{p}" for x in "qkv")
-            table.append(Rule(names, f"{mc}self_attention.linear_qkv.{p}", qkv))
+            table.append(Rule(names, (f"{mc}self_attention.linear_qkv.{p}",), qkv))
         for p in ("weight", "bias") if config.attention_output_bias else ("weight",):
-            table.append(Rule((f"{hf}self_attn.o_proj.{p}",), f"{mc}self_attention.linear_proj.{p}"))
+            table.append(rename(f"{hf}self_attn.o_proj.{p}", f"{mc}self_attention.linear_proj.{p}"))
         if not config.is_moe_layer(i):
             table += _mlp_rules(f"{hf}mlp.", f"{mc}mlp.", config)
             continue
-        table.append(Rule((f"{hf}mlp.gate.weight",), f"{mc}mlp.router.weight"))
+        table.append(rename(f"{hf}mlp.gate.weight", f"{mc}mlp.router.weight"))
         experts, local = f"{hf}mlp.experts.", f"{mc}mlp.experts.local_experts.{{e}}."
         fc1 = "gate_up_proj" if config.gated_mlp else "up_proj"
-        table.append(Rule((f"{experts}{fc1}",), f"{local}linear_fc1.weight", SplitExperts(transpose=True)))
-        table.append(Rule((f"{experts}down_proj",), f"{local}linear_fc2.weight", SplitExperts(transpose=True)))
+        # our input-first [E, in, out] -> one nn.Linear [out, in] per expert
+        per_expert = Chain(Transpose(), Unstack())
+        table.append(rename(f"{experts}{fc1}", f"{local}linear_fc1.weight", per_expert))
+        table.append(rename(f"{experts}down_proj", f"{local}linear_fc2.weight", per_expert))
         if config.mlp_bias:
-            table.append(Rule((f"{experts}{fc1}_bias",), f"{local}linear_fc1.bias", SplitExperts(transpose=False)))
-            table.append(Rule((f"{experts}down_proj_bias",), f"{local}linear_fc2.bias", SplitExperts(transpose=False)))
+            table.append(rename(f"{experts}{fc1}_bias", f"{local}linear_fc1.bias", Unstack()))
+            table.append(rename(f"{experts}down_proj_bias", f"{local}linear_fc2.bias", Unstack()))
         if config.shared_expert_intermediate_size:
             table += _mlp_rules(f"{hf}mlp.shared_expert.", f"{mc}mlp.shared_experts.", config)
     for p in norm:
-        table.append(Rule((f"model.norm.{p}",), f"decoder.final_layernorm.{p}"))
+        table.append(rename(f"model.norm.{p}", f"decoder.final_layernorm.{p}"))
     if not config.tie_word_embeddings:
-        table.append(Rule(("lm_head.weight",), "output_layer.weight", vocab))
+        table.append(rename("lm_head.weight", "output_layer.weight", vocab))
     return table
+
+
+def mapping(config, padded_vocab: int) -> Mapping:
+    return Mapping(rules(config, padded_vocab), num_experts=config.num_experts)
 
 
 # (pattern, split over tensor-parallel ranks); first match wins. "fc1" is "glu" for gated MLPs, else "column".
@@ -210,29 +133,24 @@ def split_kind(name: str, gated: bool) -> str:
     return ("glu" if gated else "column") if kind == "fc1" else kind
 
 
-def _split(t: torch.Tensor, kind: str, tp: int, rank: int) -> torch.Tensor:
-    if tp == 1 or kind in ("replicated", "expert"):
-        return t.clone()
-    if kind == "glu":
-        gate, up = t.chunk(2, dim=0)
-        return torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]]).clone()
-    return t.chunk(tp, dim=1 if kind == "row" else 0)[rank].clone()
+def tp_op(kind: str, tp: int):
+    """The op that splits a tensor of this kind into its `tp` tensor-parallel parts (its inverse joins them)."""
+    return {
+        "column": Split(0, tp),
+        "row": Split(1, tp),
+        "glu": Split(0, tp, blocks=2),  # rank r holds [gate_r; up_r]
+        "replicated": Copies(tp, "rank"),
+    }[kind]
 
 
 def _merge(name: str, parts: list[torch.Tensor], kind: str) -> torch.Tensor:
     if len({p.shape for p in parts}) != 1:
-        raise ConversionError(f"{name}: shapes differ between tensor-parallel ranks: {[_shape(p) for p in parts]}")
-    if kind == "replicated":
-        for rank, p in enumerate(parts[1:], 1):
-            if not torch.equal(p, parts[0]):
-                raise ConversionError(
-                    f"{name} is replicated over tensor-parallel ranks but rank {rank} differs from rank 0"
-                )
-        return parts[0]
-    if kind == "glu":
-        halves = [p.chunk(2, dim=0) for p in parts]
-        return torch.cat([torch.cat([g for g, _ in halves]), torch.cat([u for _, u in halves])])
-    return torch.cat(parts, dim=1 if kind == "row" else 0)
+        raise ConversionError(f"{name}: shapes differ between tensor-parallel ranks: {[shape_str(p) for p in parts]}")
+    try:
+        (merged,) = tp_op(kind, len(parts)).inverse()(parts)
+    except ConversionError as err:  # only `Same` checks anything: replicated parts must be equal
+        raise ConversionError(f"{name} is replicated over tensor-parallel ranks but {err}") from err
+    return merged
 
 
 # ------------------------------------------------------------------------------------------------ whole-model maps
@@ -254,7 +172,7 @@ def _check_hf(state_dict: dict, config) -> None:
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
     wrong = [
-        f"{k}: {_shape(state_dict[k])}, config expects {list(expected[k])}"
+        f"{k}: {shape_str(state_dict[k])}, config expects {list(expected[k])}"
         for k in expected
         if k in state_dict and state_dict[k].shape != expected[k]
     ]
@@ -272,28 +190,23 @@ def _check_hf(state_dict: dict, config) -> None:
 def hf_to_mcore(state_dict: dict, config, padded_vocab: int) -> dict[str, torch.Tensor]:
     """Our state dict -> the unsharded megatron-core GPTModel state dict (without `_extra_state` entries)."""
     _check_hf(state_dict, config)
-    out = {}
-    for rule in rules(config, padded_vocab):
-        ys = rule.op.forward([state_dict[name] for name in rule.hf])
-        out.update(zip(rule.mcore_names(config.num_experts), ys, strict=True))
-    return out
+    if config.tie_word_embeddings:
+        state_dict = {k: v for k, v in state_dict.items() if k != "lm_head.weight"}
+    return materialize(mapping(config, padded_vocab).apply(DictSource(state_dict, "the GPT-MoE state dict")))
 
 
 def mcore_to_hf(full: dict, config) -> dict[str, torch.Tensor]:
     """The unsharded megatron-core state dict -> our state dict (lm_head.weight = the embedding when tied)."""
     padded = full.get("embedding.word_embeddings.weight")
-    table = rules(config, padded.shape[0] if padded is not None else config.vocab_size)
-    wanted = {n for rule in table for n in rule.mcore_names(config.num_experts)}
-    have = {k for k in full if not k.endswith("._extra_state")}
-    if wanted != have:
+    table = mapping(config, padded.shape[0] if padded is not None else config.vocab_size)
+    wanted = {name for instance in table.instances() for name in instance.targets}
+    have = {k: v for k, v in full.items() if not k.endswith("._extra_state")}
+    if wanted != set(have):
         raise ConversionError(
             "Megatron tensors do not match the config: "
-            f"missing {sorted(wanted - have)}, unexpected {sorted(have - wanted)}"
+            f"missing {sorted(wanted - set(have))}, unexpected {sorted(set(have) - wanted)}"
         )
-    out = {}
-    for rule in table:
-        ys = [full[n] for n in rule.mcore_names(config.num_experts)]
-        out.update(zip(rule.hf, rule.op.backward(ys), strict=True))
+    out = materialize(table.inverse().apply(DictSource(have, "the Megatron checkpoint")))
     if config.tie_word_embeddings:
         out["lm_head.weight"] = out["model.embed_tokens.weight"]
     _check_hf(out, config)
@@ -345,8 +258,8 @@ def shard(full: dict, config, *, tp: int = 1, pp: int = 1) -> dict[tuple[int, in
             prefix, e, suffix = EXPERT.match(local).groups()
             shards[(int(e) // per_rank, stage)][f"{prefix}{int(e) % per_rank}{suffix}"] = tensor.clone()
             continue
-        for t in range(tp):
-            shards[(t, stage)][local] = _split(tensor, kind, tp, t)
+        for t, part in enumerate(tp_op(kind, tp)([tensor])):
+            shards[(t, stage)][local] = part.clone()
     for (_, p), sd in shards.items():  # Megatron's linear layers carry an (empty) extra state; strict loading wants it
         sd.update({f"{m.group(1)}._extra_state": None for k in list(sd) if (m := LINEAR.match(k))})
         if p == pp - 1:
@@ -430,18 +343,6 @@ def checkpoint_args(config, *, tp: int, pp: int, make_vocab_size_divisible_by: i
     return args
 
 
-def _replace_dir(staging: Path, target: Path, overwrite: bool) -> None:
-    if target.exists():
-        if not overwrite:
-            raise FileExistsError(f"{target} exists; pass overwrite=True (--overwrite) to replace it")
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, old / target.name)
-        os.replace(staging, target)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, target)
-
-
 def save_megatron_checkpoint(shards: dict, directory, args: dict, *, overwrite: bool = False) -> Path:
     """Write {(tp_rank, pp_rank): state dict} as a Megatron-LM "release" checkpoint, atomically."""
     target = Path(directory)
@@ -452,9 +353,7 @@ def save_megatron_checkpoint(shards: dict, directory, args: dict, *, overwrite: 
     )
     if ep not in (1, tp):
         raise ConversionError(f"expert_model_parallel_size={ep}: only 1 or the TP size ({tp}, PPMoE) are written")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
-    try:
+    with atomic_folder(target, overwrite=overwrite) as staging:
         for (t, p), sd in sorted(shards.items()):
             folder = staging / "release" / rank_dir(t, p, pp=pp, ep=ep)
             folder.mkdir(parents=True)
@@ -467,9 +366,6 @@ def save_megatron_checkpoint(shards: dict, directory, args: dict, *, overwrite: 
             }
             torch.save(record, folder / "model_optim_rng.pt")
         (staging / TRACKER).write_text("release")
-        _replace_dir(staging, target, overwrite)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return target
 
 

@@ -1,4 +1,5 @@
-"""MoE -> dense: merge each MoE layer's experts back into one FFN and write the original dense architecture.
+"""MoE -> dense: merge each MoE layer's experts back into one FFN and write the original dense architecture (a
+GPT-MoE into GPT-2 / Llama / Mistral / Qwen2, a Seq2Seq-MoE into T5).
 
 The merge is the inverse of upcycling, table for table: `experts_mapping(...).inverse()` merges the experts (a
 weighted mean in float64; E identical float32 copies give back the same bits) and drops the router, then the source
@@ -14,52 +15,54 @@ from pathlib import Path
 
 import torch
 
-from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from .architectures import get_architecture
 from .io import open_checkpoint, read_config_dict
 from .mapping import ConversionError
 from .pipeline import deliver
-from .upcycle import experts_mapping
+from .upcycle import MODEL_CLASSES, experts_mapping, moe_ffns, run_on_text, sample_ids
 
 MERGE_METHODS = ("mean", "usage", "expert")
 
 
 @torch.no_grad()
-def expert_usage(model: GPTMoEForCausalLM, sample_texts: list[str], tokenizer) -> dict[int, torch.Tensor]:
-    """Routes each expert received per MoE layer (layer index -> counts [E]) over `sample_texts`, padding excluded."""
+def expert_usage(model, sample_texts: list[str], tokenizer) -> dict[int, torch.Tensor]:
+    """Routes each expert received per MoE layer ({FFN number (see `moe_ffns`): counts [E]}) over `sample_texts`,
+    padding excluded; an encoder-decoder reads each text in its encoder and, as its target, in its decoder."""
     if not sample_texts:
         raise ConversionError("method='usage' needs sample_texts to measure how often the router picks each expert")
-    layers = [i for i, layer in enumerate(model.model.layers) if layer.is_moe]
+    ffns = moe_ffns(model.config)
     E = model.config.num_experts
-    counts = {i: torch.zeros(E, dtype=torch.float64) for i in layers}
+    counts = {n: torch.zeros(E, dtype=torch.float64) for n in ffns}
     was_training = model.training
     model.eval()
     try:
         for text in sample_texts:
-            # texts longer than the model's positions are cut, as generation would have to
-            ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : model.config.max_position_embeddings].to(model.device)
-            out = model(input_ids=ids, output_router_logits=True, use_cache=False)
-            for i, expert_ids in zip(layers, out.router_expert_ids):
-                counts[i] += torch.bincount(expert_ids.flatten().cpu(), minlength=E + 1)[:E].double()
+            out = run_on_text(model, sample_ids(tokenizer, text, model), output_router_logits=True, use_cache=False)
+            if model.config.is_encoder_decoder:
+                routes = out.encoder_router_expert_ids + out.decoder_router_expert_ids
+            else:
+                routes = out.router_expert_ids
+            for n, expert_ids in zip(ffns, routes, strict=True):
+                counts[n] += torch.bincount(expert_ids.flatten().cpu(), minlength=E + 1)[:E].double()
     finally:
         model.train(was_training)
     return counts
 
 
-def _merge_weights(method, config, layers, expert, usage) -> dict[int, tuple[float, ...]]:
+def _merge_weights(method, config, ffns, expert, usage) -> dict[int, tuple[float, ...]]:
     E = config.num_experts
     if method == "mean":
-        return {i: (1.0 / E,) * E for i in layers}
+        return {n: (1.0 / E,) * E for n in ffns}
     if method == "expert":
         if not 0 <= expert < E:
             raise ConversionError(f"expert={expert} does not exist; the model has experts 0..{E - 1}")
-        return {i: tuple(float(e == expert) for e in range(E)) for i in layers}
+        return {n: tuple(float(e == expert) for e in range(E)) for n in ffns}
     weights = {}
-    for i in layers:
-        total = float(usage[i].sum())
+    for n, prefix in ffns.items():
+        total = float(usage[n].sum())
         if total == 0:
-            raise ConversionError(f"no sample token reached any expert of layer {i}; give more sample_texts")
-        weights[i] = tuple((usage[i] / total).tolist())
+            raise ConversionError(f"no sample token reached any expert of {prefix.rstrip('.')}; give more sample_texts")
+        weights[n] = tuple((usage[n] / total).tolist())
     return weights
 
 
@@ -75,8 +78,9 @@ def merge_experts(
     overwrite: bool = False,
     progress: bool = False,
 ):
-    """Merge a GPT-MoE made by `upcycle` or `import_moe` (a model object or a folder) back into its dense architecture
-    (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM), loadable by plain Transformers.
+    """Merge an MoE model made by `upcycle` or `import_moe` (a model object or a folder) back into its dense
+    architecture (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, T5ForConditionalGeneration),
+    loadable by plain Transformers.
 
     method: "mean" (mean of the experts), "usage" (mean weighted by how often the router picks each expert on
         `sample_texts`, tokenized with `tokenizer` or the folder's tokenizer), or "expert" (keep expert `expert`).
@@ -87,20 +91,21 @@ def merge_experts(
 
     def load_config(folder: Path):
         model_type = read_config_dict(folder).get("model_type")
-        if model_type != GPTMoEConfig.model_type:
+        if model_type not in MODEL_CLASSES:
             raise ConversionError(
-                f"{folder} holds a {model_type!r} model; merge_experts reads GPT-MoE checkpoints (model_type "
-                f"'gpt_moe') made by upcycle or import_moe. Import an MoE checkpoint with import_moe first."
+                f"{folder} holds a {model_type!r} model; merge_experts reads GPT-MoE and Seq2Seq-MoE checkpoints "
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}) made by upcycle or import_moe. Import an MoE "
+                "checkpoint with import_moe first."
             )
-        return GPTMoEConfig.from_pretrained(folder)
+        return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
 
     checkpoint = open_checkpoint(moe, load_config)
     config = checkpoint.config
     record = getattr(config, "conversion", None)
     if not isinstance(record, dict) or "dense_config" not in record:
         raise ConversionError(
-            "this GPT-MoE has no record of a dense architecture (config.conversion, written by upcycle and import_moe), "
-            "so there is no original class to merge back into."
+            f"this {type(config).__name__} has no record of a dense architecture (config.conversion, written by upcycle "
+            "and import_moe), so there is no original class to merge back into."
         )
     if config.shared_expert_intermediate_size:
         raise ConversionError("merging a model with a shared expert is not supported: the dense FFN has no place for it")
@@ -110,13 +115,13 @@ def merge_experts(
     dense_dict = record["dense_config"]
     arch = get_architecture(dense_dict.get("model_type"), moe=False)
     dense_config = CONFIG_MAPPING[arch.model_type].from_dict(dense_dict)
-    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
+    ffns = moe_ffns(config)
 
     usage = None
     if method == "usage":
         model = checkpoint.model
         if model is None:
-            model = GPTMoEForCausalLM.from_pretrained(checkpoint.folder)
+            model = MODEL_CLASSES[config.model_type].from_pretrained(checkpoint.folder)
         if tokenizer is None and checkpoint.folder is not None:
             from transformers import AutoTokenizer
 
@@ -126,13 +131,13 @@ def merge_experts(
         usage = expert_usage(model, sample_texts, tokenizer)
         del model
 
-    weights = _merge_weights(method, config, layers, expert, usage)
-    experts = experts_mapping(config, layers, scale=record["expert_output_scale"], merge_weights=weights).inverse()
+    weights = _merge_weights(method, config, ffns, expert, usage)
+    experts = experts_mapping(config, scale=record["expert_output_scale"], merge_weights=weights).inverse()
     dense_names = experts.apply(checkpoint.tensors)
     import transformers
 
     return deliver(
-        arch.mapping(dense_config).inverse().apply(dense_names),
+        arch.mapping(dense_config, frozenset(dense_names.keys())).inverse().apply(dense_names),
         dense_config,
         getattr(transformers, arch.dense_class),
         checkpoint,

@@ -12,35 +12,40 @@ from .io import Checkpoint, atomic_folder, carry_side_files, write_safetensors
 from .mapping import ConversionError, MappedSource, TensorSource, shape_str
 
 
-def expected_tensors(model_class, config) -> dict[str, torch.Size]:
-    """Names and shapes of the tensors a checkpoint of `model_class(config)` holds (tied copies counted once)."""
+def expected_tensors(model_class, config) -> tuple[dict[str, torch.Size], set[str]]:
+    """Names and shapes of every tensor of `model_class(config)`, and the names a checkpoint must hold: tied copies
+    are optional (saved once, like save_pretrained does; a stored copy that differs unties it when loading, which is
+    how a T5 checkpoint says that its head is untied)."""
     with torch.device("meta"):
         model = model_class(config)
-    seen, expected = set(), {}
+    seen, shapes, required = set(), {}, set()
     for name, tensor in model.state_dict(keep_vars=True).items():
+        shapes[name] = tensor.shape
         if id(tensor) not in seen:
             seen.add(id(tensor))
-            expected[name] = tensor.shape
-    return expected
+            required.add(name)
+    return shapes, required
 
 
-def plan_tensors(tensors: TensorSource, expected: dict[str, torch.Size]) -> list[tuple[str, torch.Size, torch.dtype]]:
-    """Run the whole conversion on meta tensors and compare with `expected`: a shape mismatch names the source tensors
-    it comes from, a tensor the target needs but the conversion does not produce is an error. Returns the write plan."""
+def plan_tensors(tensors: TensorSource, expected: tuple[dict, set[str]]) -> list[tuple[str, torch.Size, torch.dtype]]:
+    """Run the whole conversion on meta tensors and compare with `expected` (see `expected_tensors`): a shape
+    mismatch names the source tensors it comes from, a tensor the target needs but the conversion does not produce
+    is an error. Returns the write plan."""
+    shapes, required = expected
     meta = tensors.meta()
     plan, mismatched = [], []
     for name in meta.keys():
         t = meta.get(name)
-        if name not in expected:
+        if name not in shapes:
             raise ConversionError(f"the conversion produced {name} (from {tensors.describe(name)}), which the target model does not have")
-        if tuple(t.shape) != tuple(expected[name]):
-            mismatched.append(f"{name} would be {shape_str(t)} but must be {list(expected[name])} (from {tensors.describe(name)})")
+        if tuple(t.shape) != tuple(shapes[name]):
+            mismatched.append(f"{name} would be {shape_str(t)} but must be {list(shapes[name])} (from {tensors.describe(name)})")
         plan.append((name, t.shape, t.dtype))
     if mismatched:
         raise ConversionError(
             "tensor shapes in the source do not match its config.json:\n  " + "\n  ".join(mismatched[:8])
         )
-    missing = sorted(set(expected) - {name for name, _, _ in plan})
+    missing = sorted(required - {name for name, _, _ in plan})
     if missing:
         raise ConversionError(f"the conversion does not produce {', '.join(missing[:8])}, which the target model needs")
     return plan

@@ -1,126 +1,138 @@
-"""T5 <-> Seq2Seq-MoE: the config map and a declarative, reversible map of weight names.
+"""T5 (v1.0, v1.1) and Switch Transformers -> Seq2Seq-MoE: config translation and weight-name tables.
 
-A T5 (v1.0 or v1.1) becomes a Seq2Seq-MoE with no MoE layers whose logits and generations equal T5's; that dense
-model is what upcycling starts from. Weights are only renamed, never changed ({s}: encoder or decoder):
+A T5 becomes a Seq2Seq-MoE whose logits and generations equal T5's; upcycling then turns its chosen FFNs into MoE
+layers (upcycle.py). Weights are only renamed ({s}: encoder or decoder; FFN sublayer f: 1 in the encoder, 2 in the
+decoder):
 
     shared                                        model.shared  (both stacks' embed_tokens are tied to it)
-    lm_head                                       lm_head  (tied to shared and rescaled in v1.0)
+    lm_head (when stored: an untied head)         lm_head
     {s}.block.0.layer.0.SelfAttention
         .relative_attention_bias                  model.{s}.relative_attention_bias  (one table per stack)
     {s}.block.{i}.layer.0.layer_norm              model.{s}.layers.{i}.input_layernorm
     {s}.block.{i}.layer.0.SelfAttention.{q,k,v,o} model.{s}.layers.{i}.self_attn.{q,k,v,o}_proj
     decoder.block.{i}.layer.1.layer_norm          model.decoder.layers.{i}.cross_attn_layernorm
     decoder.block.{i}.layer.1.EncDecAttention.*   model.decoder.layers.{i}.cross_attn.*_proj
-    {s}.block.{i}.layer.{1|2}.layer_norm          model.{s}.layers.{i}.post_attention_layernorm
+    {s}.block.{i}.layer.{f}.layer_norm            model.{s}.layers.{i}.post_attention_layernorm
     ...DenseReluDense.wi (v1.0)                   ...mlp.up_proj
     ...DenseReluDense.wi_0, wi_1 (v1.1), wo       ...mlp.gate_proj, mlp.up_proj, mlp.down_proj
     {s}.final_layer_norm                          model.{s}.norm
+
+Switch Transformers has T5's layout with `mlp` for `DenseReluDense`; its sparse FFNs are imported as MoE layers:
+
+    ...layer.{f}.mlp.router.classifier            ...mlp.gate.weight [E, H]
+    ...layer.{f}.mlp.experts.expert_{e}.wi        ...mlp.experts.up_proj [E, H, I]  (stacked, input first)
+    ...layer.{f}.mlp.experts.expert_{e}.wo        ...mlp.experts.down_proj [E, I, H]
+
+Tied heads. Transformers 5 always says tie_word_embeddings=True for T5; a checkpoint shows an untied head (real
+v1.1 checkpoints) by storing lm_head.weight, and Transformers unties it on loading. So the tables read the source's
+tensor names: an lm_head.weight among them is an untied head. The head is fed decoder_output * d_model**-0.5 when
+`scale_decoder_outputs` (T5 v1.0; Switch when tie_word_embeddings). Stored copies of the embedding
+(`{s}.embed_tokens`, as untied Switch models save them) must equal `shared`: Seq2Seq-MoE has one embedding.
 """
 
 from __future__ import annotations
-
-import re
 
 from transformers import T5Config
 
 from ..modeling.configuration_seq2seq_moe import Seq2SeqMoEConfig
 from ..modeling.modeling_seq2seq_moe import Seq2SeqMoEForConditionalGeneration
+from .mapping import Chain, ConversionError, Mapping, Rule, Same, Stack, Transpose, materialize, rename
 
-# T5 keys with no counterpart: tied copies of `shared`, and a bias table T5 itself never uses
-T5_IGNORED = re.compile(
-    r"(encoder|decoder)\.embed_tokens\.weight"
-    r"|decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight"
-)
+# a relative attention bias old T5 checkpoints store for cross-attention, which T5 never uses
+T5_IGNORED = (r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",)
+STACKS = (("encoder", 1), ("decoder", 2))  # (stack, index of the FFN sublayer in each block)
 
 
-def weight_names(gated: bool) -> list[tuple[str, str]]:
-    """(T5 name, Seq2Seq-MoE name) templates; `{i}` stands for a layer index. Each row maps both ways."""
-    ffn = [("wi_0", "gate_proj"), ("wi_1", "up_proj")] if gated else [("wi", "up_proj")]
-    ffn.append(("wo", "down_proj"))
-    rows = [("shared.weight", "model.shared.weight"), ("lm_head.weight", "lm_head.weight")]
-    for stack, ffn_sublayer in (("encoder", 1), ("decoder", 2)):
-        t5, ours = f"{stack}.block.{{i}}.layer", f"model.{stack}.layers.{{i}}"
-        rows += [
-            (
-                f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
-                f"model.{stack}.relative_attention_bias.weight",
-            ),
-            (f"{stack}.final_layer_norm.weight", f"model.{stack}.norm.weight"),
-            (f"{t5}.0.layer_norm.weight", f"{ours}.input_layernorm.weight"),
-            *[(f"{t5}.0.SelfAttention.{p}.weight", f"{ours}.self_attn.{p}_proj.weight") for p in "qkvo"],
-            (f"{t5}.{ffn_sublayer}.layer_norm.weight", f"{ours}.post_attention_layernorm.weight"),
-            *[(f"{t5}.{ffn_sublayer}.DenseReluDense.{a}.weight", f"{ours}.mlp.{b}.weight") for a, b in ffn],
+def _depth(config, stack: str) -> int:
+    return config.num_layers if stack == "encoder" else config.num_decoder_layers
+
+
+def _rules(config, names, ffn_rules) -> list[Rule]:
+    """Everything but the FFNs, which `ffn_rules(stack, i, t5_prefix, our_prefix)` maps."""
+    copies = ("shared.weight", *(n for n in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight") if n in names))
+    rules = [Rule(copies, ("model.shared.weight",), Same(len(copies)))]
+    if "lm_head.weight" in names:
+        rules.append(rename("lm_head.weight", "lm_head.weight"))
+    for stack, f in STACKS:
+        bias = "relative_attention_bias.weight"
+        rules += [
+            rename(f"{stack}.block.0.layer.0.SelfAttention.{bias}", f"model.{stack}.{bias}"),
+            rename(f"{stack}.final_layer_norm.weight", f"model.{stack}.norm.weight"),
         ]
-        if stack == "decoder":
-            rows += [
-                (f"{t5}.1.layer_norm.weight", f"{ours}.cross_attn_layernorm.weight"),
-                *[(f"{t5}.1.EncDecAttention.{p}.weight", f"{ours}.cross_attn.{p}_proj.weight") for p in "qkvo"],
-            ]
-    return rows
+        for i in range(_depth(config, stack)):
+            t5, ours = f"{stack}.block.{i}.layer.", f"model.{stack}.layers.{i}."
+            rules.append(rename(f"{t5}0.layer_norm.weight", f"{ours}input_layernorm.weight"))
+            rules += [rename(f"{t5}0.SelfAttention.{p}.weight", f"{ours}self_attn.{p}_proj.weight") for p in "qkvo"]
+            if stack == "decoder":
+                rules.append(rename(f"{t5}1.layer_norm.weight", f"{ours}cross_attn_layernorm.weight"))
+                rules += [rename(f"{t5}1.EncDecAttention.{p}.weight", f"{ours}cross_attn.{p}_proj.weight") for p in "qkvo"]
+            rules.append(rename(f"{t5}{f}.layer_norm.weight", f"{ours}post_attention_layernorm.weight"))
+            rules += ffn_rules(stack, i, f"{t5}{f}.", f"{ours}mlp.")
+    return rules
 
 
-def _compile(template: str) -> re.Pattern:
-    return re.compile(re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)"))
+def _dense_ffn(module: str, gated: bool):
+    pairs = ([("wi_0", "gate_proj"), ("wi_1", "up_proj")] if gated else [("wi", "up_proj")]) + [("wo", "down_proj")]
+    return lambda t5, ours: [rename(f"{t5}{module}.{a}.weight", f"{ours}{b}.weight") for a, b in pairs]
 
 
-def _rename(state_dict: dict, rows: list[tuple[str, str]], ignored: re.Pattern | None, what: str) -> dict:
-    patterns = [(_compile(source), target) for source, target in rows]
-    renamed = {}
-    for name, tensor in state_dict.items():
-        if ignored is not None and ignored.fullmatch(name):
-            continue
-        for pattern, target in patterns:
-            match = pattern.fullmatch(name)
-            if match:
-                renamed[target.format(**match.groupdict())] = tensor
-                break
-        else:
-            raise ValueError(f"{what}: no mapping for weight {name!r}")
-    return renamed
+def t5_rules(config: T5Config, names=frozenset()) -> list[Rule]:
+    """T5 names -> Seq2Seq-MoE names; `names`: the source checkpoint's tensor names (see "Tied heads")."""
+    dense = _dense_ffn("DenseReluDense", config.is_gated_act)
+    return _rules(config, names, lambda stack, i, t5, ours: dense(t5, ours))
 
 
-def config_from_t5(t5: T5Config) -> Seq2SeqMoEConfig:
-    """The Seq2Seq-MoE config (no MoE layers) that computes exactly what `t5` does."""
-    # Transformers 5 always ties T5's embeddings and records v1.0's rescaled, tied head as scale_decoder_outputs;
-    # older versions said the same with tie_word_embeddings
-    v1_0_head = getattr(t5, "scale_decoder_outputs", t5.tie_word_embeddings)
-    start = getattr(t5, "decoder_start_token_id", None)
-    return Seq2SeqMoEConfig(
-        vocab_size=t5.vocab_size,
-        hidden_size=t5.d_model,
-        intermediate_size=t5.d_ff,
-        head_dim=t5.d_kv,
-        num_hidden_layers=t5.num_layers,
-        num_decoder_layers=t5.num_decoder_layers,
-        num_attention_heads=t5.num_heads,
-        hidden_act=t5.dense_act_fn,
-        gated_mlp=t5.is_gated_act,
-        attention_scaling=1.0,
-        relative_attention_num_buckets=t5.relative_attention_num_buckets,
-        relative_attention_max_distance=t5.relative_attention_max_distance,
+def _common_fields(c, names, *, act: str, gated: bool, scale: bool) -> dict:
+    start = getattr(c, "decoder_start_token_id", None)
+    return dict(
+        vocab_size=c.vocab_size,
+        hidden_size=c.d_model,
+        intermediate_size=c.d_ff,
+        head_dim=c.d_kv,
+        num_hidden_layers=c.num_layers,
+        num_decoder_layers=c.num_decoder_layers,
+        num_attention_heads=c.num_heads,
+        hidden_act=act,
+        gated_mlp=gated,
+        attention_scaling=1.0,  # T5 does not scale q.k; its query init carries the scale
+        relative_attention_num_buckets=c.relative_attention_num_buckets,
+        relative_attention_max_distance=c.relative_attention_max_distance,
         norm_type="rmsnorm",
-        layer_norm_eps=t5.layer_norm_epsilon,
-        hidden_dropout=t5.dropout_rate,
-        attention_dropout=t5.dropout_rate,
-        tie_word_embeddings=v1_0_head,
-        scale_decoder_outputs=v1_0_head,
-        pad_token_id=t5.pad_token_id,
-        eos_token_id=t5.eos_token_id,
-        decoder_start_token_id=start if start is not None else t5.pad_token_id,
-        encoder_moe_layers=[],
-        decoder_moe_layers=[],
+        layer_norm_eps=c.layer_norm_epsilon,
+        hidden_dropout=c.dropout_rate,
+        attention_dropout=c.dropout_rate,
+        tie_word_embeddings="lm_head.weight" not in names,
+        scale_decoder_outputs=scale,
+        use_cache=c.use_cache,
+        pad_token_id=c.pad_token_id,
+        eos_token_id=c.eos_token_id,
+        decoder_start_token_id=start if start is not None else c.pad_token_id,
+        dtype=c.dtype,
+    )
+
+
+def t5_fields(c: T5Config, names=frozenset()) -> dict:
+    return _common_fields(c, names, act=c.dense_act_fn, gated=c.is_gated_act, scale=c.scale_decoder_outputs)
+
+
+def config_from_t5(t5: T5Config, tied_head: bool | None = None) -> Seq2SeqMoEConfig:
+    """The Seq2Seq-MoE config (no MoE layers) that computes exactly what `t5` does. tied_head: whether the LM head
+    is the embedding (default: as real checkpoints are, tied for v1.0, untied for v1.1)."""
+    tied = t5.scale_decoder_outputs if tied_head is None else tied_head
+    return Seq2SeqMoEConfig(
+        **t5_fields(t5, frozenset() if tied else {"lm_head.weight"}), encoder_moe_layers=[], decoder_moe_layers=[]
     )
 
 
 def config_to_t5(config: Seq2SeqMoEConfig) -> T5Config:
-    """The T5 config of a dense Seq2Seq-MoE; ValueError where T5 cannot express it."""
+    """The T5 config of a dense Seq2Seq-MoE; ConversionError where T5 cannot express it. (Whether the head is tied
+    shows in the checkpoint: T5 unties a stored lm_head.weight.)"""
     problems = [
         text
         for bad, text in (
             (config.norm_type != "rmsnorm", "norm_type must be 'rmsnorm'"),
             (config.attention_scaling != 1.0, "attention_scaling must be 1.0"),
             (config.attention_bias or config.mlp_bias, "T5 has no biases"),
-            (config.tie_word_embeddings != config.scale_decoder_outputs, "T5 ties its head iff it rescales (v1.0)"),
             (config.attention_dropout != config.hidden_dropout, "T5 has one dropout_rate"),
             (any(map(config.is_encoder_moe_layer, range(config.num_hidden_layers))), "the encoder has MoE layers"),
             (any(map(config.is_decoder_moe_layer, range(config.num_decoder_layers))), "the decoder has MoE layers"),
@@ -128,10 +140,10 @@ def config_to_t5(config: Seq2SeqMoEConfig) -> T5Config:
         if bad
     ]
     if problems:
-        raise ValueError(f"This Seq2Seq-MoE config is not a T5: {'; '.join(problems)}.")
+        raise ConversionError(f"This Seq2Seq-MoE config is not a T5: {'; '.join(problems)}.")
     act = config.hidden_act
     feed_forward = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if config.gated_mlp else act
-    return T5Config(
+    t5 = T5Config(
         vocab_size=config.vocab_size,
         d_model=config.hidden_size,
         d_kv=config.head_dim or config.hidden_size // config.num_attention_heads,
@@ -144,34 +156,113 @@ def config_to_t5(config: Seq2SeqMoEConfig) -> T5Config:
         dropout_rate=config.hidden_dropout,
         layer_norm_epsilon=config.layer_norm_eps,
         feed_forward_proj=feed_forward,
-        tie_word_embeddings=config.tie_word_embeddings,
+        tie_word_embeddings=config.scale_decoder_outputs,  # Transformers 5 reads it as "rescale the head's input"
+        use_cache=config.use_cache,
         pad_token_id=config.pad_token_id,
         eos_token_id=config.eos_token_id,
         decoder_start_token_id=config.decoder_start_token_id,
+        dtype=config.dtype,
     )
-
-
-def state_dict_from_t5(state_dict: dict, config: Seq2SeqMoEConfig) -> dict:
-    """T5ForConditionalGeneration weights -> Seq2SeqMoEForConditionalGeneration weights (renamed, same tensors)."""
-    return _rename(state_dict, weight_names(config.gated_mlp), T5_IGNORED, "T5 -> Seq2Seq-MoE")
-
-
-def state_dict_to_t5(state_dict: dict, config: Seq2SeqMoEConfig) -> dict:
-    """The reverse of `state_dict_from_t5`, for a model without MoE layers (merge the experts first)."""
-    rows = [(ours, t5) for t5, ours in weight_names(config.gated_mlp)]
-    tied = re.compile(r"model\.(encoder|decoder)\.embed_tokens\.weight")
-    return _rename(state_dict, rows, tied, "Seq2Seq-MoE -> T5")
+    t5.architectures = ["T5ForConditionalGeneration"]
+    return t5
 
 
 def from_t5(t5_model) -> Seq2SeqMoEForConditionalGeneration:
-    """A `T5ForConditionalGeneration` -> the dense Seq2SeqMoEForConditionalGeneration with the same outputs."""
-    config = config_from_t5(t5_model.config)
+    """A `T5ForConditionalGeneration` -> the dense Seq2SeqMoEForConditionalGeneration with the same outputs, in
+    memory (`upcycle` writes MoE models; this is its dense starting point)."""
+    from .io import model_tensors
+
+    tensors = model_tensors(t5_model)
+    names = frozenset(tensors.keys())
+    config = Seq2SeqMoEConfig(**t5_fields(t5_model.config, names), encoder_moe_layers=[], decoder_moe_layers=[])
+    state = materialize(Mapping(t5_rules(t5_model.config, names), ignore=T5_IGNORED).apply(tensors))
     model = Seq2SeqMoEForConditionalGeneration(config).to(t5_model.dtype)
-    missing, unexpected = model.load_state_dict(state_dict_from_t5(t5_model.state_dict(), config), strict=False)
-    untied_missing = set(missing) - set(model.all_tied_weights_keys)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    untied_missing = set(missing) - set(model.all_tied_weights_keys)  # tied copies of model.shared are not stored
     if unexpected or untied_missing:
-        raise ValueError(f"T5 weights do not fit: missing {sorted(untied_missing)}, unexpected {sorted(unexpected)}")
+        raise ConversionError(f"T5 weights do not fit: missing {sorted(untied_missing)}, unexpected {sorted(unexpected)}")
     return model.train(t5_model.training)
 
 
-__all__ = ["config_from_t5", "config_to_t5", "from_t5", "state_dict_from_t5", "state_dict_to_t5", "weight_names"]
+# --------------------------------------------------------------------------------------- Switch Transformers
+
+
+def switch_sparse_layers(c, stack: str) -> list[int]:
+    """The blocks Transformers' Switch Transformers builds sparse: i % step == 1 (every block when step == 1)."""
+    step = c.encoder_sparse_step if stack == "encoder" else c.decoder_sparse_step
+    return [i for i in range(_depth(c, stack)) if step > 0 and (i % step == 1 or step == 1)]
+
+
+def switch_rules(c, names=frozenset()) -> list[Rule]:
+    sparse = {stack: set(switch_sparse_layers(c, stack)) for stack, _ in STACKS}
+    dense = _dense_ffn("mlp", gated=False)
+
+    def ffn(stack, i, t5, ours):
+        if i not in sparse[stack]:
+            return dense(t5, ours)
+        experts = f"{t5}mlp.experts.expert_{{e}}."
+        return [  # nn.Linear [out, in] per expert -> our input-first [E, in, out]
+            rename(f"{t5}mlp.router.classifier.weight", f"{ours}gate.weight"),
+            rename(experts + "wi.weight", f"{ours}experts.up_proj", Chain(Stack(), Transpose())),
+            rename(experts + "wo.weight", f"{ours}experts.down_proj", Chain(Stack(), Transpose())),
+        ]
+
+    return _rules(c, names, ffn)
+
+
+def switch_fields(c, names=frozenset()) -> dict:
+    """Switch's router as our "switch" gate. Refused: a router bias (ours has none), routing in another dtype than
+    float32 (ours always routes in float32), a gated FFN (Transformers' Switch has none). Its expert_capacity, an
+    absolute number of tokens per expert and sequence that also drops tokens in evaluation, has no counterpart:
+    the import is dropless (capacity_factor=None; pass one to train with a capacity), so its logits equal Switch's
+    whenever no expert receives more than expert_capacity tokens of a sequence."""
+    refused = [
+        text
+        for bad, text in (
+            (c.router_bias, "router_bias=True (our gate has no bias)"),
+            (c.router_dtype != "float32", f"router_dtype={c.router_dtype!r} (our gates route in float32; set "
+             "router_dtype to 'float32' in config.json to accept that)"),
+            (c.dense_act_fn.startswith("gated-"), f"dense_act_fn={c.dense_act_fn!r} (Switch's FFNs are not gated)"),
+        )
+        if bad
+    ]
+    if refused:
+        raise ConversionError(f"This Switch Transformers checkpoint cannot be imported: {'; '.join(refused)}.")
+    return dict(
+        _common_fields(c, names, act=c.dense_act_fn, gated=False, scale=c.tie_word_embeddings),
+        num_experts=c.num_experts,
+        num_experts_per_tok=1,
+        router_type="switch",
+        capacity_factor=None,
+        eval_capacity_factor=None,
+        router_jitter_noise=c.router_jitter_noise,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        router_z_loss_coef=c.router_z_loss_coef,
+        encoder_moe_layers=switch_sparse_layers(c, "encoder"),
+        decoder_moe_layers=switch_sparse_layers(c, "decoder"),
+    )
+
+
+def switch_dense_twin(c) -> T5Config:
+    """The T5 (ReLU FFN, as Switch's dense layers) that merging an imported Switch model's experts gives."""
+    fields = {k: v for k, v in switch_fields(c).items() if k not in ("encoder_moe_layers", "decoder_moe_layers")}
+    return config_to_t5(Seq2SeqMoEConfig(**fields, encoder_moe_layers=[], decoder_moe_layers=[]))
+
+
+def t5_ffn_modules(c) -> list[str]:
+    """The dense FFN module of every layer, encoder then decoder (what a router sees is its input)."""
+    return [f"{stack}.block.{i}.layer.{f}.DenseReluDense" for stack, f in STACKS for i in range(_depth(c, stack))]
+
+
+__all__ = [
+    "config_from_t5",
+    "config_to_t5",
+    "from_t5",
+    "switch_dense_twin",
+    "switch_fields",
+    "switch_rules",
+    "switch_sparse_layers",
+    "t5_fields",
+    "t5_ffn_modules",
+    "t5_rules",
+]

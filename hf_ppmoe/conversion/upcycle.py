@@ -1,9 +1,10 @@
-"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral) into GPT-MoE.
+"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Switch Transformers) into our classes.
 
 Legend: E experts, K routes per token, H hidden, I FFN inner size.
 
-Upcycling is two maps, both declarative and reversible: the source architecture's table (architectures.py) renames
-its weights into GPT-MoE's dense names, then `experts_mapping` turns each chosen dense FFN into E copies plus a router.
+Upcycling is two maps, both declarative and reversible: the source architecture's table (architectures.py, t5.py)
+renames its weights into the dense names of our model (GPT-MoE for decoders, Seq2Seq-MoE for encoder-decoders), then
+`experts_mapping` turns each chosen dense FFN into E copies plus a router.
 
 Exactness. Identical experts make the MoE output (sum_k w_k) * FFN(x), so the logits equal the dense model's exactly
 when the combine weights of every token sum to one. With a zero router (`router_init="zeros"`) every gate sees uniform
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..modeling import GPTMoEConfig, GPTMoEForCausalLM, Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
 from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
 from .io import Checkpoint, open_checkpoint, read_config_dict
@@ -32,12 +33,26 @@ from .pipeline import deliver
 ROUTER_INITS = ("zeros", "random", "hidden")
 
 
+# the model class of each target family, by its config's model_type
+MODEL_CLASSES = {GPTMoEConfig.model_type: GPTMoEForCausalLM, Seq2SeqMoEConfig.model_type: Seq2SeqMoEForConditionalGeneration}
+
+
+def moe_ffns(config) -> dict[int, str]:
+    """The MoE layers of a GPT-MoE or Seq2Seq-MoE config: {FFN number: name prefix}. FFNs are numbered in order,
+    the encoder's before the decoder's; the number keys `routers` and `merge_weights` and seeds each FFN's noise."""
+    if isinstance(config, Seq2SeqMoEConfig):
+        ffns = [(f"model.encoder.layers.{i}.mlp.", config.is_encoder_moe_layer(i)) for i in range(config.num_hidden_layers)]
+        ffns += [(f"model.decoder.layers.{i}.mlp.", config.is_decoder_moe_layer(i)) for i in range(config.num_decoder_layers)]
+    else:
+        ffns = [(f"model.layers.{i}.mlp.", config.is_moe_layer(i)) for i in range(config.num_hidden_layers)]
+    return {n: prefix for n, (prefix, is_moe) in enumerate(ffns) if is_moe}
+
+
 # -------------------------------------------------------------------------------------------- experts mapping
 
 
 def experts_mapping(
-    config: GPTMoEConfig,
-    layers: list[int],
+    config,
     *,
     scale: float = 1.0,
     noise_std: float = 0.0,
@@ -45,22 +60,21 @@ def experts_mapping(
     routers: dict | None = None,
     merge_weights: dict[int, tuple[float, ...]] | None = None,
 ) -> Mapping:
-    """GPT-MoE dense FFN names -> MoE layer names for each of `layers`: E copies of the FFN (down-projection scaled by
-    `scale`, optional noise), and a router made by `routers[i]()`. The inverse merges the experts with
-    `merge_weights[i]` (uniform by default) and drops the router. Every other tensor passes through."""
+    """Dense FFN names -> MoE layer names for each MoE layer of `config` (`moe_ffns`): E copies of the FFN
+    (down-projection scaled by `scale`, optional noise), and a router made by `routers[n]()`. The inverse merges the
+    experts with `merge_weights[n]` (uniform by default) and drops the router. Every other tensor passes through."""
     E = config.num_experts
     ins = ("gate_proj", "up_proj") if config.gated_mlp else ("up_proj",)
     fused = "gate_up_proj" if config.gated_mlp else "up_proj"
     join = Concat(0, len(ins)) if len(ins) > 1 else Identity()
     rules = []
-    for i in layers:
-        d = f"model.layers.{i}.mlp."
-        w = merge_weights.get(i) if merge_weights else None
+    for n, d in moe_ffns(config).items():
+        w = merge_weights.get(n) if merge_weights else None
 
         def copies(k: int, noise: float = noise_std) -> Replicate:
-            return Replicate(E, noise, seed=seed * 1_000_003 + 4 * i + k, merge_weights=w)
+            return Replicate(E, noise, seed=seed * 1_000_003 + 4 * n + k, merge_weights=w)
 
-        make_router = routers[i] if routers else _no_router
+        make_router = routers[n] if routers else _no_router
         rules += [  # nn.Linear [out, in] -> experts' input-first [E, in, out]
             Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, Transpose(), copies(0))),
             rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Transpose(), Scale(scale), copies(1))),
@@ -81,7 +95,7 @@ def _no_router():
 # ---------------------------------------------------------------------------------------- gate probes
 
 
-def _combine_sums(config: GPTMoEConfig, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def _combine_sums(config, weight: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     gate = get_gate_class(config.router_type)(config).eval()
     gate.capacity_factor = gate.eval_capacity_factor = None  # the sums of dropless routing
     with torch.no_grad():
@@ -89,7 +103,7 @@ def _combine_sums(config: GPTMoEConfig, weight: torch.Tensor, tokens: torch.Tens
         return gate(tokens).weights.sum(-1).double()
 
 
-def expert_output_scale(config: GPTMoEConfig) -> float:
+def expert_output_scale(config) -> float:
     """1 / (the sum of a token's combine weights under a uniform (zero) router): the down-projection scale that makes
     E identical experts sum to the dense FFN."""
     H, E = config.hidden_size, config.num_experts
@@ -102,7 +116,7 @@ def expert_output_scale(config: GPTMoEConfig) -> float:
     return 1.0 / float(sums[0])
 
 
-def gate_renormalizes(config: GPTMoEConfig) -> bool:
+def gate_renormalizes(config) -> bool:
     """Whether the gate's combine weights sum to one for any router (so a non-uniform router keeps exactness)."""
     g = torch.Generator().manual_seed(0)
     H, E = config.hidden_size, config.num_experts
@@ -110,7 +124,7 @@ def gate_renormalizes(config: GPTMoEConfig) -> bool:
     return bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-5))
 
 
-def _warn_if_inexact(config: GPTMoEConfig, router_init: str) -> None:
+def _warn_if_inexact(config, router_init: str) -> None:
     if config.eval_capacity_factor is not None:
         warnings.warn(
             f"eval_capacity_factor={config.eval_capacity_factor}: evaluation drops tokens past capacity, so the upcycled "
@@ -141,49 +155,60 @@ def _texts_per_expert(sample_texts, num_experts: int) -> list[list[str]]:
     return [[t] if isinstance(t, str) else list(t) for t in sample_texts]
 
 
+def sample_ids(tokenizer, text: str, model) -> torch.Tensor:
+    """A sample text's token ids [1, S] on the model's device, cut to the model's positions (learned positions)."""
+    ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : getattr(model.config, "max_position_embeddings", None)]
+    if ids.numel() == 0:
+        raise ConversionError(f"sample text {text!r} has no tokens")
+    return ids.to(model.device)
+
+
+def run_on_text(model, ids: torch.Tensor, **kwargs):
+    """One forward pass over a sample text; an encoder-decoder reads it on both sides (the decoder as its target)."""
+    if model.config.is_encoder_decoder:
+        return model(input_ids=ids, decoder_input_ids=ids, **kwargs)
+    return model(input_ids=ids, **kwargs)
+
+
 @torch.no_grad()
-def hidden_router_rows(model, ffn_module: str, layers: list[int], sample_texts, tokenizer, num_experts: int) -> dict[int, torch.Tensor]:
-    """mergekit's "hidden" gate mode, on what a router actually sees: for each expert e and layer i, the mean input of
-    FFN i over the tokens of expert e's sample texts (averaged per text, then over texts), scaled to unit norm."""
+def hidden_router_rows(model, modules: dict[int, str], sample_texts, tokenizer, num_experts: int) -> dict[int, torch.Tensor]:
+    """mergekit's "hidden" gate mode, on what a router actually sees: for each expert e and FFN n (module
+    `modules[n]` of the dense `model`), the mean input of that FFN over the tokens of expert e's sample texts
+    (averaged per text, then over texts), scaled to unit norm."""
     texts = _texts_per_expert(sample_texts, num_experts)
     captured: dict[int, torch.Tensor] = {}
     hooks = [
-        model.get_submodule(ffn_module.replace("{i}", str(i))).register_forward_pre_hook(
-            lambda module, args, i=i: captured.__setitem__(i, args[0].detach())
-        )
-        for i in layers
+        model.get_submodule(module).register_forward_pre_hook(lambda m, args, n=n: captured.__setitem__(n, args[0].detach()))
+        for n, module in modules.items()
     ]
     was_training = model.training
     model.eval()
     try:
-        rows: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+        rows: dict[int, list[torch.Tensor]] = {n: [] for n in modules}
         for expert_texts in texts:
-            per_text: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
+            per_text: dict[int, list[torch.Tensor]] = {n: [] for n in modules}
             for text in expert_texts:
-                ids = tokenizer(text, return_tensors="pt")["input_ids"][:, : model.config.max_position_embeddings]
-                if ids.numel() == 0:
-                    raise ConversionError(f"sample text {text!r} has no tokens")
-                model(input_ids=ids.to(model.device))
-                for i in layers:
-                    per_text[i].append(captured[i][0].float().mean(0))
-            for i in layers:
-                v = torch.stack(per_text[i]).mean(0)
-                rows[i].append(v / v.norm().clamp_min(1e-8))
+                run_on_text(model, sample_ids(tokenizer, text, model))
+                for n in modules:
+                    per_text[n].append(captured[n][0].float().mean(0))
+            for n in modules:
+                v = torch.stack(per_text[n]).mean(0)
+                rows[n].append(v / v.norm().clamp_min(1e-8))
     finally:
         for hook in hooks:
             hook.remove()
         model.train(was_training)
-    return {i: torch.stack(r).cpu() for i, r in rows.items()}
+    return {n: torch.stack(r).cpu() for n, r in rows.items()}
 
 
-def _routers(router_init, config, layers, dtype, seed, checkpoint: Checkpoint, arch: Architecture, sample_texts, tokenizer):
+def _routers(router_init, config, ffns, dtype, seed, checkpoint: Checkpoint, arch: Architecture, sample_texts, tokenizer):
     E, H, std = config.num_experts, config.hidden_size, config.initializer_range
     if router_init == "zeros":
-        return {i: (lambda: torch.zeros(E, H, dtype=dtype)) for i in layers}
+        return {n: (lambda: torch.zeros(E, H, dtype=dtype)) for n in ffns}
     if router_init == "random":
         return {
-            i: (lambda i=i: (torch.randn(E, H, generator=torch.Generator().manual_seed(seed * 1_000_003 + i)) * std).to(dtype))
-            for i in layers
+            n: (lambda n=n: (torch.randn(E, H, generator=torch.Generator().manual_seed(seed * 1_000_003 + n)) * std).to(dtype))
+            for n in ffns
         }
     if tokenizer is None:
         if checkpoint.folder is None:
@@ -199,18 +224,21 @@ def _routers(router_init, config, layers, dtype, seed, checkpoint: Checkpoint, a
         import transformers
 
         model = getattr(transformers, arch.dense_class).from_pretrained(checkpoint.folder)
-    rows = hidden_router_rows(model, arch.ffn_module, layers, sample_texts, tokenizer, E)
+    modules = arch.ffn_modules(checkpoint.config)
+    rows = hidden_router_rows(model, {n: modules[n] for n in ffns}, sample_texts, tokenizer, E)
     del model
-    return {i: (lambda r=rows[i]: r.to(dtype)) for i in layers}
+    return {n: (lambda r=rows[n]: r.to(dtype)) for n in ffns}
 
 
 # ------------------------------------------------------------------------------------------------- entry points
 
 
-_CONFIG_FIELDS = {f for cls in GPTMoEConfig.__mro__ for f in getattr(cls, "__annotations__", {})}
+def _fields_of(config_class) -> set[str]:
+    return {f for cls in config_class.__mro__ for f in getattr(cls, "__annotations__", {})}
 
 
-def _dense_checkpoint(src, moe: bool) -> tuple[Checkpoint, Architecture]:
+def _dense_checkpoint(src, moe: bool) -> tuple[Checkpoint, Architecture, frozenset[str]]:
+    """The source, its architecture and the names of its tensors (base-model checkpoints renamed)."""
     from transformers import AutoConfig
 
     def load_config(folder: Path):
@@ -224,14 +252,15 @@ def _dense_checkpoint(src, moe: bool) -> tuple[Checkpoint, Architecture]:
     if keys and not any(k.startswith(prefix) for k in keys):  # saved from the base model (e.g. the original "gpt2")
         renamed = Mapping([rename(k, k if k.startswith("lm_head.") else prefix + k) for k in keys])
         checkpoint.tensors = renamed.apply(checkpoint.tensors)
-    return checkpoint, arch
+    return checkpoint, arch, frozenset(checkpoint.tensors.keys())
 
 
-def _moe_config(fields: dict, overrides: dict, **extra) -> GPTMoEConfig:
-    unknown = sorted(set(overrides) - _CONFIG_FIELDS)
+def _moe_config(arch: Architecture, fields: dict, overrides: dict, **extra):
+    config_class = MODEL_CLASSES[arch.family].config_class
+    unknown = sorted(set(overrides) - _fields_of(config_class))
     if unknown:
-        raise TypeError(f"unknown GPTMoEConfig field(s): {', '.join(unknown)}")
-    return GPTMoEConfig(**{**fields, **overrides, **extra})
+        raise TypeError(f"unknown {config_class.__name__} field(s) for a {arch.model_type} source: {', '.join(unknown)}")
+    return config_class(**{**fields, **overrides, **extra})
 
 
 def upcycle(
@@ -252,28 +281,34 @@ def upcycle(
     overwrite: bool = False,
     progress: bool = False,
     **config_overrides,
-) -> GPTMoEForCausalLM | Path:
-    """Turn a dense causal LM (GPT-2, Llama, Mistral, Qwen2; a model object or a folder / Hub id of safetensors) into a
-    GPT-MoE whose chosen FFNs are MoE layers of `num_experts` copies of the dense FFN.
+) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
+    """Turn a dense model (a model object or a folder / Hub id of safetensors) into an MoE model whose chosen FFNs are
+    MoE layers of `num_experts` copies of the dense FFN: a causal LM (GPT-2, Llama, Mistral, Qwen2) into a GPT-MoE,
+    a T5 (v1.0 or v1.1) into a Seq2Seq-MoE.
 
     num_experts_per_tok: routes per token (default 1 for router_type="switch", else 2).
-    moe_layer_frequency / moe_layers: every n-th FFN becomes MoE (layers n-1, 2n-1, ...), or the listed ones.
+    moe_layer_frequency / moe_layers: every n-th FFN becomes MoE (layers n-1, 2n-1, ...), or the listed ones. For T5
+        the frequency applies to each stack; choose per stack with the Seq2SeqMoEConfig fields encoder_moe_layers /
+        decoder_moe_layers (lists, [] for none) or encoder_moe_layer_frequency / decoder_moe_layer_frequency.
     router_init: "zeros" (uniform routing; exact for every gate), "random" (normal, std initializer_range), or
         "hidden" (mergekit's mode: one row per expert from the FFN inputs of `sample_texts[e]`, a text or a list of
-        texts per expert, tokenized with `tokenizer` or the source folder's tokenizer).
+        texts per expert, tokenized with `tokenizer` or the source folder's tokenizer; a T5 reads each text in its
+        encoder and, as its target, in its decoder).
     noise_std: N(0, noise_std^2) noise added to each expert's weights to break their symmetry (`seed` draws it).
-    config_overrides: any other GPTMoEConfig field (capacity_factor, norm_topk_prob, dispatch, router_aux_loss_coef...).
+    config_overrides: any other field of the target config (capacity_factor, norm_topk_prob, dispatch,
+        router_aux_loss_coef...).
 
     Returns the model, or, with `save_directory`, writes the checkpoint there (sharded safetensors, config, remote code,
     the source's tokenizer and generation config) tensor by tensor and returns the folder's path.
     """
     if router_init not in ROUTER_INITS:
         raise ValueError(f"router_init={router_init!r}; use one of {', '.join(ROUTER_INITS)}.")
-    checkpoint, arch = _dense_checkpoint(dense, moe=False)
+    checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
     if num_experts_per_tok is None:
         num_experts_per_tok = 1 if router_type == "switch" else 2
     config = _moe_config(
-        arch.gpt_moe_fields(checkpoint.config),
+        arch,
+        arch.fields(checkpoint.config, names),
         config_overrides,
         num_experts=num_experts,
         num_experts_per_tok=num_experts_per_tok,
@@ -281,11 +316,12 @@ def upcycle(
         moe_layer_frequency=moe_layer_frequency,
         moe_layers=moe_layers,
     )
-    layers = [i for i in range(config.num_hidden_layers) if config.is_moe_layer(i)]
-    if not layers:
+    ffns = moe_ffns(config)
+    if not ffns:
         raise ConversionError(
             f"no FFN becomes an MoE layer: moe_layer_frequency={moe_layer_frequency} with {config.num_hidden_layers} "
-            "layers. Use a smaller frequency or list moe_layers."
+            "layers" + (" per stack" if arch.family == "seq2seq_moe" else "") + ". Use a smaller frequency or list the "
+            "layers (moe_layers; encoder_moe_layers / decoder_moe_layers for an encoder-decoder)."
         )
     _warn_if_inexact(config, router_init)
     scale = expert_output_scale(config)
@@ -295,14 +331,14 @@ def upcycle(
         "router_init": router_init,
         "noise_std": noise_std,
     }
-    dense_names = arch.mapping(checkpoint.config).apply(checkpoint.tensors)
-    dtype = dense_names.meta().get(f"model.layers.{layers[0]}.mlp.down_proj.weight").dtype
-    routers = _routers(router_init, config, layers, dtype, seed, checkpoint, arch, sample_texts, tokenizer)
-    experts = experts_mapping(config, layers, scale=scale, noise_std=noise_std, seed=seed, routers=routers)
+    dense_names = arch.mapping(checkpoint.config, names).apply(checkpoint.tensors)
+    dtype = dense_names.meta().get(next(iter(ffns.values())) + "down_proj.weight").dtype
+    routers = _routers(router_init, config, ffns, dtype, seed, checkpoint, arch, sample_texts, tokenizer)
+    experts = experts_mapping(config, scale=scale, noise_std=noise_std, seed=seed, routers=routers)
     return deliver(
         experts.apply(dense_names),
         config,
-        GPTMoEForCausalLM,
+        MODEL_CLASSES[arch.family],
         checkpoint,
         save_directory=save_directory,
         max_shard_size=max_shard_size,
@@ -320,21 +356,23 @@ def import_moe(
     overwrite: bool = False,
     progress: bool = False,
     **config_overrides,
-) -> GPTMoEForCausalLM | Path:
-    """Import an MoE checkpoint (Mixtral; a model object or a folder / Hub id) into GPT-MoE with a "topk" gate: same
-    weights, same routing, equal logits. `merge_experts` turns the result into the dense twin (MistralForCausalLM).
-    Returns the model, or writes it to `save_directory` and returns the path (as `upcycle`)."""
-    checkpoint, arch = _dense_checkpoint(moe, moe=True)
-    config = _moe_config(arch.gpt_moe_fields(checkpoint.config), config_overrides)
+) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
+    """Import an MoE checkpoint (a model object or a folder / Hub id) into our classes: same weights, same routing,
+    equal logits. Mixtral becomes a GPT-MoE with a "topk" gate, Switch Transformers a Seq2Seq-MoE with a "switch" gate
+    (dropless; see `t5.switch_fields` for its expert_capacity). `merge_experts` turns the result into the dense twin
+    (MistralForCausalLM, T5ForConditionalGeneration). Returns the model, or writes it to `save_directory` and returns
+    the path (as `upcycle`)."""
+    checkpoint, arch, names = _dense_checkpoint(moe, moe=True)
+    config = _moe_config(arch, arch.fields(checkpoint.config, names), config_overrides)
     config.conversion = {
         "dense_config": arch.dense_twin(checkpoint.config).to_dict(),
         "expert_output_scale": 1.0,
         "imported_from": checkpoint.config.to_dict(),
     }
     return deliver(
-        arch.mapping(checkpoint.config).apply(checkpoint.tensors),
+        arch.mapping(checkpoint.config, names).apply(checkpoint.tensors),
         config,
-        GPTMoEForCausalLM,
+        MODEL_CLASSES[arch.family],
         checkpoint,
         save_directory=save_directory,
         max_shard_size=max_shard_size,
@@ -343,4 +381,15 @@ def import_moe(
     )
 
 
-__all__ = ["expert_output_scale", "experts_mapping", "gate_renormalizes", "hidden_router_rows", "import_moe", "upcycle"]
+__all__ = [
+    "MODEL_CLASSES",
+    "expert_output_scale",
+    "experts_mapping",
+    "gate_renormalizes",
+    "hidden_router_rows",
+    "import_moe",
+    "moe_ffns",
+    "run_on_text",
+    "sample_ids",
+    "upcycle",
+]

@@ -19,8 +19,9 @@ log-probabilities), so results equal `generate(num_beams=K)`: the same sequences
 
 Applies to models that take a 4D float attention mask and explicit positions: decoder-only models with
 `position_ids` (Llama, Mistral, Mixtral, Qwen2, GPT-MoE, ...), encoder-decoders with `decoder_position_ids`, and
-T5-style decoders whose relative position bias is corrected inside the mask (the model computes it from buffer
-slots; the mask adds the difference to the bias of the true positions). Anything else raises a ValueError.
+decoders with a relative position bias that is corrected inside the mask (T5, and Seq2SeqMoE or any decoder with a
+`relative_position_bias(key position - query position)` method: the model computes the bias from buffer slots, the
+mask adds the difference to the bias of the true positions). Anything else raises a ValueError.
 
 This file imports only torch and transformers: `save_pretrained` of hf_ppmoe models copies it unchanged as
 `custom_generate/generate.py`, whose `generate` entry point is defined at the bottom.
@@ -52,35 +53,41 @@ def _fail(message: str):
     raise ValueError(f"flat_beam_search: {message}")
 
 
-class _T5RelativeBias:
-    """T5's decoder computes its relative position bias from buffer slots (query slot past+i, key slot j). The
-    mask adds `bias(true positions) - bias(buffer slots)` to every allowed entry, so the sum is the true bias."""
+class _RelativeBias:
+    """Decoders whose self-attention adds a relative position bias computed from buffer slots (query slot past + i,
+    key slot j): T5, and models whose decoder has a `relative_position_bias(key position - query position)` method
+    returning [..., H, Q, KV] (Seq2SeqMoE). The mask adds `bias(true positions) - bias(buffer slots)` to every allowed
+    entry, so the sum is the true bias."""
 
-    def __init__(self, attention):
-        self.attention = attention
+    def __init__(self, bias):
+        self._bias = bias  # relative position [..., Q, KV] -> [..., H, Q, KV]
 
     @classmethod
     def find(cls, model):
         decoder = model.get_decoder()
+        method = getattr(decoder, "relative_position_bias", None)
+        if inspect.ismethod(method):  # a method, not a module of that name
+            return cls(method)
         blocks = getattr(decoder, "block", None)
         attention = getattr(blocks[0].layer[0], "SelfAttention", None) if blocks else None
         if attention is not None and getattr(attention, "has_relative_attention_bias", False):
-            return cls(attention)
+            return cls(lambda relative_position: _t5_bias(attention, relative_position))
         return None
-
-    def _bias(self, relative_position: torch.Tensor) -> torch.Tensor:  # [..., Q, KV] -> [..., H, Q, KV]
-        a = self.attention
-        buckets = a._relative_position_bucket(
-            relative_position, bidirectional=False, num_buckets=a.relative_attention_num_buckets,
-            max_distance=a.relative_attention_max_distance,
-        )
-        return a.relative_attention_bias(buckets).movedim(-1, -3)
 
     def correction(self, query_pos, key_pos, query_slot, key_slot) -> torch.Tensor:
         """positions and slots [B, Q] / [B, KV] -> [B, H, Q, KV]"""
         true = self._bias(key_pos[:, None, :] - query_pos[:, :, None])
         buffer = self._bias(key_slot[:, None, :] - query_slot[:, :, None])
         return true - buffer
+
+
+def _t5_bias(attention, relative_position: torch.Tensor) -> torch.Tensor:
+    """T5's decoder bias (its first self-attention's table): [..., Q, KV] -> [..., H, Q, KV]"""
+    buckets = attention._relative_position_bucket(
+        relative_position, bidirectional=False, num_buckets=attention.relative_attention_num_buckets,
+        max_distance=attention.relative_attention_max_distance,
+    )
+    return attention.relative_attention_bias(buckets).movedim(-1, -3)
 
 
 class _FlatModel:
@@ -126,10 +133,11 @@ class _FlatModel:
         if self.enc_dec:
             self.position_key = "decoder_position_ids" if "decoder_position_ids" in params else None
             if self.position_key is None:
-                self.bias = _T5RelativeBias.find(model)
+                self.bias = _RelativeBias.find(model)
                 if self.bias is None:
-                    _fail(f"{type(model).__name__} takes no decoder_position_ids and has no T5-style relative "
-                          "position bias, so its decoder cannot be told the positions of flat buffer slots.")
+                    _fail(f"{type(model).__name__} takes no decoder_position_ids and has no relative position bias "
+                          "this module can correct (T5's, or a decoder `relative_position_bias` method), so its "
+                          "decoder cannot be told the positions of flat buffer slots.")
             encoder_outputs = model_kwargs["encoder_outputs"]
             self.encoder_outputs = type(encoder_outputs)(
                 **{k: v[::K] if isinstance(v, torch.Tensor) else v for k, v in encoder_outputs.items()}
@@ -149,7 +157,7 @@ class _FlatModel:
             pos = model_kwargs.get("position_ids")
             self.prompt_pos = pos[::K] if pos is not None else (self.prompt_mask.long().cumsum(-1) - 1).clamp(min=0)
             self.logits_to_keep = "logits_to_keep" in params
-        # in-hypothesis position of every buffer slot (for the T5 bias correction)
+        # in-hypothesis position of every buffer slot (for the relative position bias correction)
         self.slot_pos = self.prompt_pos.clone()
 
     def _call(self, ids, **kwargs):

@@ -12,12 +12,19 @@ search once). Later steps hold one token per row that the model ran: `batch` row
 `batch * num_beams` in the order of the running beams for (flat) beam search; map them to the returned
 hypotheses with `beam_indices`.
 
+Encoder-decoders record their decoder per step as above, and their encoder once (generate runs it once, on the
+unexpanded prompts) in two more fields:
+
+    out.encoder_router_logits[layer]       # [batch * source length, E], padding included
+    out.encoder_router_expert_ids[layer]   # [batch * source length, k]; None if `encoder_outputs` were passed in
+
 The routing is recorded with forward hooks on the MoE layers: `output_router_logits` never reaches the model's
 forward (which would compute router losses for every step).
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -50,14 +57,20 @@ class MoEGenerateBeamDecoderOnlyOutput(GenerateBeamDecoderOnlyOutput):
 
 @dataclass
 class MoEGenerateEncoderDecoderOutput(GenerateEncoderDecoderOutput):
+    """The decoder's routing per step, as above, and the encoder's (`[layer]`, one run) in `encoder_router_*`."""
+
     router_logits: RouterSteps | None = None
     router_expert_ids: RouterSteps | None = None
+    encoder_router_logits: tuple[torch.Tensor, ...] | None = None
+    encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
 
 
 @dataclass
 class MoEGenerateBeamEncoderDecoderOutput(GenerateBeamEncoderDecoderOutput):
     router_logits: RouterSteps | None = None
     router_expert_ids: RouterSteps | None = None
+    encoder_router_logits: tuple[torch.Tensor, ...] | None = None
+    encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
 
 
 _WITH_ROUTING = {
@@ -113,15 +126,23 @@ class MoEGenerationMixin(GenerationMixin):
         if not kwargs.get("return_dict_in_generate", config.return_dict_in_generate):
             raise ValueError("generate(output_router_logits=True) also needs return_dict_in_generate=True: the "
                              "router statistics are fields of the returned output.")
-        with RoutingRecorder(self, self._routing_stack()) as recorder:
+        # encoder-decoders: every forward of the encoder is a step of its own recorder (generate runs it once)
+        encoder = RoutingRecorder(self.get_encoder()) if self.config.is_encoder_decoder else None
+        with RoutingRecorder(self, self._routing_stack()) as recorder, encoder or contextlib.nullcontext():
             out = super().generate(*args, **kwargs)
-        router_logits, router_expert_ids = recorder.steps()
+        fields = dict(zip(("router_logits", "router_expert_ids"), recorder.steps()))
+        if encoder is not None:
+            runs = encoder.steps()
+            fields.update(encoder_router_logits=runs[0][-1] if runs[0] else None,
+                          encoder_router_expert_ids=runs[1][-1] if runs[1] else None)
         cls = _WITH_ROUTING.get(type(out))
         if cls is None:  # a custom generate's own output class
-            out["router_logits"], out["router_expert_ids"] = router_logits, router_expert_ids
+            for name, value in fields.items():
+                out[name] = value
             return out
-        return cls(**out, router_logits=router_logits, router_expert_ids=router_expert_ids)
+        return cls(**out, **fields)
 
     def _routing_stack(self) -> torch.nn.Module:
-        """The modules whose MoE layers are recorded per step (encoder-decoders: their decoder)."""
+        """The modules whose MoE layers are recorded per step (encoder-decoders: their decoder; the encoder is
+        recorded apart, once)."""
         return self.get_decoder() if self.config.is_encoder_decoder else self

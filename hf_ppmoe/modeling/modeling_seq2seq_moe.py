@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
-from transformers.generation import GenerationMixin
 from transformers.loss.loss_utils import ForMaskedLMLoss
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -34,6 +33,7 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
 from .common import MoEPreTrainedModel, build_norm, mean_router_losses
@@ -279,13 +279,18 @@ class Seq2SeqMoEStack(nn.Module):
         """[1, N, query_length, key_length]: the bias of key j for query i (at absolute position past_length + i)."""
         query = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_length
         key = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        return self.relative_position_bias(key - query).unsqueeze(0)
+
+    def relative_position_bias(self, relative_position: torch.Tensor) -> torch.Tensor:
+        """relative_position (key position - query position) [..., Q, KV] -> bias [..., N, Q, KV]. Flat beam search
+        (hf_ppmoe.generation) calls it on the decoder to correct the bias of its buffer slots to true positions."""
         buckets = relative_position_bucket(
-            key - query,
+            relative_position,
             bidirectional=self.bidirectional,
             num_buckets=self.config.relative_attention_num_buckets,
             max_distance=self.config.relative_attention_max_distance,
         )
-        return self.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)
+        return self.relative_attention_bias(buckets).movedim(-1, -3)
 
     def _embed(self, input_ids, inputs_embeds):
         if (input_ids is None) == (inputs_embeds is None):
@@ -598,7 +603,10 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         )
 
 
-class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, GenerationMixin):
+class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGenerationMixin):
+    """`generate(output_router_logits=True, return_dict_in_generate=True)` also returns the routing of both stacks
+    (hf_ppmoe.generation.router_stats)."""
+
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel", "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}
     _tp_plan = {"lm_head": "colwise_gather_output"}

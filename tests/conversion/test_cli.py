@@ -5,10 +5,10 @@ import subprocess
 import sys
 
 import torch
-from converters import SAMPLE_TEXTS, assert_same_outputs, read_tensors
+from converters import SAMPLE_TEXTS, assert_same_outputs, assert_same_seq2seq_outputs, read_tensors, tiny_switch
 from transformers import AutoModelForCausalLM
 
-from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.cli import main
 
 
@@ -43,6 +43,27 @@ def test_import_mixtral(dense, tmp_path):
     mixtral, folder = dense("mixtral")
     assert main(["import", str(folder), str(tmp_path / "moe")]) == 0
     assert_same_outputs(mixtral, GPTMoEForCausalLM.from_pretrained(tmp_path / "moe"))
+
+
+def test_t5_upcycle_per_stack_then_merge(dense, tmp_path):
+    t5, folder = dense("t5-v1.1")
+    args = ["--num_experts", "4", "--router_type", "gshard", "--encoder_moe_layers", "0", "2", "--no_decoder_moe"]
+    assert main(["upcycle", str(folder), str(tmp_path / "moe"), *args]) == 0
+    moe = Seq2SeqMoEForConditionalGeneration.from_pretrained(tmp_path / "moe")
+    assert [layer.is_moe for layer in moe.model.encoder.layers] == [True, False, True]
+    assert not any(layer.is_moe for layer in moe.model.decoder.layers)
+    assert_same_seq2seq_outputs(t5, moe)
+
+    assert main(["merge", str(tmp_path / "moe"), str(tmp_path / "dense")]) == 0
+    original, merged = read_tensors(folder), read_tensors(tmp_path / "dense")
+    assert merged.keys() == original.keys() and all(torch.equal(merged[k], v) for k, v in original.items())
+
+
+def test_import_switch_transformers(tmp_path):
+    switch = tiny_switch()
+    switch.save_pretrained(tmp_path / "switch")
+    assert main(["import", str(tmp_path / "switch"), str(tmp_path / "moe")]) == 0
+    assert_same_seq2seq_outputs(switch, Seq2SeqMoEForConditionalGeneration.from_pretrained(tmp_path / "moe"))
 
 
 def test_errors_are_reported_not_raised(dense, tmp_path, capsys):

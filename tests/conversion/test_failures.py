@@ -26,7 +26,8 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     model = BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32))
     model.save_pretrained(tmp_path / "bert")
     for src in (model, tmp_path / "bert"):
-        with pytest.raises(ConversionError, match=r"Unsupported architecture 'bert'.*gpt2 \(GPT2LMHeadModel\), llama.*mistral.*qwen2.*mixtral"):
+        with pytest.raises(ConversionError, match=r"Unsupported architecture 'bert'.*gpt2 \(GPT2LMHeadModel\), llama.*mistral.*qwen2"
+                                                  r".*t5 \(T5ForConditionalGeneration\).*mixtral.*switch_transformers"):
             upcycle(src, num_experts=4, save_directory=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -40,8 +41,9 @@ def test_moe_and_dense_sources_point_to_the_right_function(dense):
         import_moe(llama)
 
 
-def test_corrupt_safetensors_file_is_named(dense, tmp_path):
-    src = _copy(dense("llama")[1], tmp_path)
+@pytest.mark.parametrize("arch", ["llama", "t5-v1.1"])
+def test_corrupt_safetensors_file_is_named(dense, tmp_path, arch):
+    src = _copy(dense(arch)[1], tmp_path)
     (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     with pytest.raises(ConversionError, match=r"cannot read .*src/model.safetensors.*corrupt"):
         upcycle(src, num_experts=4, save_directory=tmp_path / "out")
@@ -63,10 +65,12 @@ def _rewrite(src, change):
     save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_missing_tensor_is_named_never_reinitialized(dense, tmp_path):
-    src = _copy(dense("qwen2")[1], tmp_path)
-    _rewrite(src, lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"))
-    with pytest.raises(ConversionError, match=r"1 tensor\(s\) are missing .*: model.layers.1.self_attn.k_proj.bias"):
+@pytest.mark.parametrize("arch, name", [("qwen2", "model.layers.1.self_attn.k_proj.bias"),
+                                        ("t5-v1.1", "decoder.block.1.layer.1.EncDecAttention.k.weight")])
+def test_missing_tensor_is_named_never_reinitialized(dense, tmp_path, arch, name):
+    src = _copy(dense(arch)[1], tmp_path)
+    _rewrite(src, lambda t: t.pop(name))
+    with pytest.raises(ConversionError, match=rf"1 tensor\(s\) are missing .*: {name}"):
         upcycle(src, num_experts=4, save_directory=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -88,8 +92,9 @@ def test_mismatched_shape_is_named_with_its_file(dense, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_interrupted_conversion_leaves_no_output_folder(dense, tmp_path, monkeypatch):
-    _, folder = dense("llama")
+@pytest.mark.parametrize("arch", ["llama", "t5-v1.0"])
+def test_interrupted_conversion_leaves_no_output_folder(dense, tmp_path, monkeypatch, arch):
+    _, folder = dense(arch)
     calls, real_get = [], MappedSource.get
 
     def get_then_fail(self, name):
@@ -132,8 +137,9 @@ def test_missing_source_folder(tmp_path):
 
 
 def test_merge_rejects_other_model_types(dense):
-    with pytest.raises(ConversionError, match="merge_experts reads GPT-MoE checkpoints"):
-        merge_experts(dense("llama")[1])
+    for arch in ("llama", "t5-v1.0"):
+        with pytest.raises(ConversionError, match="merge_experts reads GPT-MoE and Seq2Seq-MoE checkpoints"):
+            merge_experts(dense(arch)[1])
 
 
 def test_unknown_config_field_is_rejected(dense):

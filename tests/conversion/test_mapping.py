@@ -2,19 +2,36 @@
 
 import pytest
 import torch
-from converters import build_dense, dense_config
+from converters import build_dense
 
 from hf_ppmoe.conversion import ARCHITECTURES, ConversionError, Mapping, Rule
 from hf_ppmoe.conversion.io import model_tensors
-from hf_ppmoe.conversion.mapping import Chain, Concat, DictSource, Merge, Replicate, Scale, Split, Stack, Transpose, rename
+from hf_ppmoe.conversion.mapping import (
+    Chain,
+    Concat,
+    Copies,
+    DictSource,
+    InterleaveQKV,
+    Merge,
+    PadRows,
+    Replicate,
+    Same,
+    Scale,
+    Split,
+    Stack,
+    Transpose,
+    Unstack,
+    rename,
+)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "qwen2", "mixtral"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "qwen2", "mixtral", "t5-v1.0", "t5-v1.1", "switch"])
 def test_table_then_inverse_is_the_identity(arch):
-    source = model_tensors(build_dense(arch))
-    mapping = ARCHITECTURES[arch].mapping(dense_config(arch))
+    model = build_dense(arch)
+    source = model_tensors(model)
+    mapping = ARCHITECTURES[model.config.model_type].mapping(model.config, frozenset(source.keys()))
     forward = mapping.apply(source)
-    assert not set(forward.keys()) & {"transformer.wte.weight", "model.layers.0.block_sparse_moe.gate.weight"}
+    assert not set(forward.keys()) & {"transformer.wte.weight", "model.layers.0.block_sparse_moe.gate.weight", "shared.weight"}
     back = mapping.inverse().apply(DictSource({k: forward.get(k) for k in forward.keys()}))
     assert sorted(back.keys()) == sorted(source.keys())
     for name in source.keys():
@@ -39,6 +56,11 @@ def test_gpt2_table_splits_and_transposes_c_attn():
         (Chain(Scale(4.0), Replicate(4)), [torch.randn(5, 3)]),
         (Chain(Scale(0.5), Replicate(3)), [torch.randn(5, 3)]),  # mean of 3 identical copies: exact in float64
         (Replicate(3, merge_weights=(0.25, 0.25, 0.5)), [torch.randn(5, 3, dtype=torch.bfloat16)]),
+        (Split(0, 2, blocks=2), [torch.randn(8, 3)]),  # tensor-parallel halves of a fused [gate; up]
+        (Chain(Transpose(), Unstack()), [torch.randn(3, 4, 5)]),
+        (PadRows(5, 8), [torch.randn(5, 3)]),
+        (InterleaveQKV(heads=4, groups=2, head_dim=3), [torch.randn(12, 5), torch.randn(6, 5), torch.randn(6, 5)]),
+        (Copies(3), [torch.randn(4)]),
     ],
 )
 def test_ops_invert_exactly(op, inputs):
@@ -84,3 +106,21 @@ def test_a_failing_op_names_its_source_tensors():
     tensors = mapping.apply(DictSource({"qkv": torch.ones(10)}, "ckpt"))
     with pytest.raises(ConversionError, match=r"qkv \[10\] in ckpt into q, k, v"):
         tensors.get("q")
+
+
+def test_tensor_parallel_split_of_a_fused_gate_up_takes_a_piece_of_each():
+    gate, up = torch.arange(4.0), torch.arange(10.0, 14.0)
+    assert [p.tolist() for p in Split(0, 2, blocks=2)([torch.cat([gate, up])])] == [[0, 1, 10, 11], [2, 3, 12, 13]]
+
+
+def test_padded_rows_are_zeros_and_qkv_interleaves_per_kv_group():
+    assert PadRows(2, 4)([torch.ones(2, 3)])[0].sum(1).tolist() == [3, 3, 0, 0]
+    q, k, v = torch.arange(4.0).view(4, 1), torch.tensor([[10.0], [11.0]]), torch.tensor([[20.0], [21.0]])
+    assert InterleaveQKV(heads=4, groups=2, head_dim=1)([q, k, v])[0].flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+
+
+def test_same_refuses_copies_that_differ():
+    x = torch.randn(3)
+    assert Same(2)([x, x.clone()])[0] is x
+    with pytest.raises(ConversionError, match="tensor 2 differs from tensor 0; they must be equal copies"):
+        Same(3)([x, x.clone(), x + 1])

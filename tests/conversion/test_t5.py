@@ -1,36 +1,15 @@
-"""T5 v1.0 and v1.1 are held exactly: the renamed weights give T5's logits and T5's generations."""
+"""T5 v1.0 and v1.1 are held exactly by the dense Seq2Seq-MoE: renamed weights give T5's logits, loss and generations;
+configs translate both ways; what T5 cannot express is refused."""
 
 import pytest
 import torch
-from torch import nn
-from transformers import T5Config, T5ForConditionalGeneration
+from converters import T5_VERSIONS, tiny_t5
+from transformers import T5ForConditionalGeneration
 
-from hf_ppmoe.conversion.t5 import config_from_t5, config_to_t5, from_t5, state_dict_from_t5, state_dict_to_t5
-
-T5_VERSIONS = {
-    # v1.0: ReLU FFN, head tied to the embeddings and fed decoder_output * d_model**-0.5
-    "v1.0": dict(feed_forward_proj="relu", tie_word_embeddings=True),
-    # v1.1: gated GELU, untied head, no rescaling
-    "v1.1": dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False),
-}
-
-
-def tiny_t5(version, attn="sdpa", **overrides):
-    kwargs = dict(
-        vocab_size=101, d_model=32, d_kv=12, d_ff=56, num_layers=3, num_decoder_layers=2, num_heads=3,
-        relative_attention_num_buckets=8, relative_attention_max_distance=20, dropout_rate=0.1,
-        decoder_start_token_id=0, **T5_VERSIONS[version],
-    )
-    kwargs.update(overrides)
-    model = T5ForConditionalGeneration(T5Config(**kwargs))
-    model.set_attn_implementation(attn)
-    with torch.no_grad():  # T5's init keeps activations tiny; widen it so that every weight matters in the logits
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.2) if "layer_norm" in name else p.normal_(0.0, 1.0 if name == "shared.weight" else 0.5)
-        if version == "v1.1":
-            # Transformers 5 ties T5's head even for v1.1 configs (real v1.1 checkpoints load untied): untie it
-            model.lm_head.weight = nn.Parameter(torch.randn_like(model.shared.weight) * 0.5)
-    return model.eval()
+from hf_ppmoe.conversion import ARCHITECTURES, ConversionError
+from hf_ppmoe.conversion.io import model_tensors
+from hf_ppmoe.conversion.mapping import DictSource, materialize
+from hf_ppmoe.conversion.t5 import config_from_t5, config_to_t5, from_t5
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -63,33 +42,49 @@ def test_logits_and_generation_equal_t5(version, attn):
 
 
 @pytest.mark.parametrize("version", T5_VERSIONS)
-def test_weight_map_is_reversible(version):
+def test_a_t5_built_from_the_translated_config_computes_the_same(version):
     t5 = tiny_t5(version)
     ours = from_t5(t5)
-    back = state_dict_to_t5(ours.state_dict(), ours.config)
-    original = {k: v for k, v in t5.state_dict().items() if "embed_tokens" not in k and "EncDecAttention.relative" not in k}
-    assert back.keys() == original.keys()
-    for name in original:
-        assert torch.equal(back[name], original[name]), name
-
-    # a T5 built from the mapped-back config and weights computes what ours computes
     rebuilt = T5ForConditionalGeneration(config_to_t5(ours.config)).eval()
-    if version == "v1.1":
-        rebuilt.lm_head.weight = nn.Parameter(torch.empty_like(rebuilt.shared.weight))
+    tensors = model_tensors(t5)
+    names = frozenset(tensors.keys())
+    # the table, inverted, gives back T5's weights under T5's names (the head only where it is untied)
+    mapping = ARCHITECTURES["t5"].mapping(t5.config, names)
+    back = materialize(mapping.inverse().apply(mapping.apply(tensors)))
+    assert back.keys() == names and ("lm_head.weight" in names) == (version == "v1.1")
+    if version == "v1.1":  # Transformers 5's T5 ties its head in memory; a stored lm_head.weight unties it on loading
+        rebuilt.lm_head.weight = torch.nn.Parameter(torch.empty_like(rebuilt.shared.weight))
     missing, unexpected = rebuilt.load_state_dict(back, strict=False)
-    assert not unexpected and set(missing) <= {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"}
+    assert not unexpected and set(missing) <= {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"}
     ids = torch.randint(2, 101, (2, 9))
     labels = torch.randint(2, 101, (2, 7))
     torch.testing.assert_close(rebuilt(ids, labels=labels).logits, ours(ids, labels=labels).logits, atol=1e-5, rtol=1e-5)
     assert config_from_t5(rebuilt.config).to_diff_dict() == ours.config.to_diff_dict()
 
 
-def test_unknown_weights_and_non_t5_configs_are_refused():
+def test_a_v1_1_with_a_tied_head_stays_tied():
+    """Transformers 5 builds a fresh v1.1 with its head tied (unscaled): the head is the embedding, and stays so."""
+    t5 = tiny_t5("v1.1")
+    t5.lm_head.weight = t5.shared.weight
+    ours = from_t5(t5)
+    assert ours.config.tie_word_embeddings and not ours.config.scale_decoder_outputs
+    ids = torch.randint(2, 101, (2, 9))
+    torch.testing.assert_close(ours(ids, decoder_input_ids=ids).logits, t5(ids, decoder_input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_stored_embedding_copies_must_equal_the_shared_embedding():
     t5 = tiny_t5("v1.0")
-    with pytest.raises(ValueError, match="no mapping for weight 'encoder.block.0.layer.0.SelfAttention.q.bias'"):
-        state_dict_from_t5({"encoder.block.0.layer.0.SelfAttention.q.bias": torch.zeros(3)}, config_from_t5(t5.config))
-    config = config_from_t5(t5.config)
+    tensors = {k: v for k, v in t5.state_dict().items() if k != "lm_head.weight"}  # with both stacks' copies
+    mapping = ARCHITECTURES["t5"].mapping(t5.config, frozenset(tensors))
+    assert torch.equal(mapping.apply(DictSource(tensors)).get("model.shared.weight"), t5.shared.weight)
+    tensors["decoder.embed_tokens.weight"] = tensors["decoder.embed_tokens.weight"] + 1
+    with pytest.raises(ConversionError, match=r"decoder.embed_tokens.weight .* into model.shared.weight: tensor 2 differs"):
+        mapping.apply(DictSource(tensors)).get("model.shared.weight")
+
+
+def test_configs_t5_cannot_express_are_refused():
+    config = from_t5(tiny_t5("v1.0")).config
     config.encoder_moe_layers = [1]
     config.norm_type = "layernorm"
-    with pytest.raises(ValueError, match="norm_type must be 'rmsnorm'; the encoder has MoE layers"):
+    with pytest.raises(ConversionError, match="norm_type must be 'rmsnorm'; the encoder has MoE layers"):
         config_to_t5(config)

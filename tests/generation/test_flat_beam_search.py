@@ -7,11 +7,12 @@ import textwrap
 
 import pytest
 import torch
-from helpers import GPT2_STYLE, tiny_gpt_config
+from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config
 from transformers import (
     BartConfig,
     BartForConditionalGeneration,
     DynamicCache,
+    EncoderDecoderCache,
     LlamaConfig,
     LlamaForCausalLM,
     MixtralConfig,
@@ -20,8 +21,9 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.generation import flat_beam_search
+from hf_ppmoe.generation.flat_beam_search import _RelativeBias
 
 VOCAB = 24  # small, so that EOS (id 1) is often among the candidates
 GATES = {
@@ -122,6 +124,73 @@ def test_encoder_decoder_t5_relative_position_bias():
             assert_same_results(model.generate(ids, **kw), model.generate(ids, custom_generate=flat_beam_search, **kw))
 
 
+def seq2seq_moe(gate, attn="sdpa", **overrides):
+    """A tiny Seq2SeqMoE, MoE in every layer of both stacks, with a relative position bias strong enough that a wrong
+    bias changes the beams (the default init, std 0.02, hardly matters)."""
+    config = tiny_seq2seq_config(vocab_size=VOCAB, **GATES[gate], **overrides)
+    model = Seq2SeqMoEForConditionalGeneration._from_config(config, attn_implementation=attn).eval()
+    assert model.config._attn_implementation == attn
+    assert model.model.encoder.num_moe_layers == model.model.decoder.num_moe_layers == 2
+    with torch.no_grad():
+        for stack in (model.model.encoder, model.model.decoder):
+            stack.relative_attention_bias.weight.normal_(0.0, 2.0)
+    return model
+
+
+SEQ2SEQ_MODELS = {
+    **{f"seq2seq_moe-{g}": lambda g=g: seq2seq_moe(g) for g in GATES},
+    # T5 v1.0 style (tied, rescaled head), eager attention, einsum dispatch
+    "seq2seq_moe-gshard-eager-tied": lambda: seq2seq_moe("gshard", attn="eager", tie_word_embeddings=True,
+                                                         scale_decoder_outputs=True, dispatch="einsum"),
+}
+# decoder positions past relative_attention_max_distance (16) as well
+SEQ2SEQ_CASES = CASES + [(3, 1.0, "never", 2, 20, "likely")]
+
+
+def encoder_batch():
+    """Encoder inputs with left padding (row 0) and right padding (row 2)."""
+    ids = torch.randint(3, VOCAB, (3, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    mask[2, 4:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def seq2seq_kwargs(mask, case, likely):
+    K, lp, es, nrs, new, eos = case
+    return dict(attention_mask=mask, num_beams=K, length_penalty=lp, early_stopping=es, num_return_sequences=nrs,
+                max_new_tokens=new, eos_token_id=eos_ids(eos, likely), return_dict_in_generate=True, output_scores=True)
+
+
+@pytest.mark.parametrize("name", SEQ2SEQ_MODELS)
+def test_flat_equals_transformers_beam_search_on_seq2seq_moe(name):
+    """Seq2SeqMoE's decoder bias is computed from buffer slots; the flat mask corrects it to true positions."""
+    model = SEQ2SEQ_MODELS[name]()
+    ids, mask = encoder_batch()
+    likely = likely_token(model, ids, mask)
+    finished_early = 0
+    for case in SEQ2SEQ_CASES:
+        kw = seq2seq_kwargs(mask, case, likely)
+        reference = model.generate(ids, **kw)
+        flat = model.generate(ids, custom_generate=flat_beam_search, **kw)
+        assert_same_results(reference, flat)
+        finished_early += int(((flat.beam_indices >= 0).sum(1) < case[4]).sum())
+    assert finished_early, "no hypothesis ended before max_new_tokens: EOS handling went untested"
+
+
+def test_seq2seq_moe_needs_the_relative_position_bias_correction(monkeypatch):
+    """The test above would catch a missing correction: without it, the decoder sees the bias of buffer slots."""
+    model = SEQ2SEQ_MODELS["seq2seq_moe-topk"]()
+    ids, mask = encoder_batch()
+    kw = seq2seq_kwargs(mask, SEQ2SEQ_CASES[-1], likely_token(model, ids, mask))
+    reference = model.generate(ids, **kw)
+    assert_same_results(reference, model.generate(ids, custom_generate=flat_beam_search, **kw))
+    monkeypatch.setattr(_RelativeBias, "correction", lambda self, query_pos, key_pos, *slots: 0.0 * self._bias(
+        key_pos[:, None, :] - query_pos[:, :, None]))
+    uncorrected = model.generate(ids, custom_generate=flat_beam_search, **kw)
+    assert not torch.allclose(uncorrected.sequences_scores, reference.sequences_scores, atol=1e-3)
+
+
 class AppendOnlyCache(DynamicCache):
     """Fails if a cache row is reordered or any cached key is rewritten: keys may only be appended."""
 
@@ -150,6 +219,27 @@ def test_cache_is_only_appended_to():
     assert cache.layers[0].keys.shape[0] == 3 and cache.get_seq_length() == 6 + 3 * 5
     assert torch.equal(out.sequences, model.generate(ids, **kw))
     assert torch.equal(model.generate(ids, custom_generate=flat_beam_search, **kw), out.sequences)  # a plain tensor
+
+
+def test_encoder_decoder_cache_is_only_appended_to():
+    model = SEQ2SEQ_MODELS["seq2seq_moe-gshard"]()
+    ids, mask = encoder_batch()
+    kw = dict(attention_mask=mask, num_beams=3, max_new_tokens=6, eos_token_id=None)
+
+    def new_cache():
+        return EncoderDecoderCache(AppendOnlyCache(config=model.config), AppendOnlyCache(config=model.config))
+
+    with pytest.raises(AssertionError, match="reordered"):  # the check catches ordinary beam search
+        model.generate(ids, past_key_values=new_cache(), **kw)
+    cache = new_cache()
+    out = model.generate(ids, past_key_values=cache, custom_generate=flat_beam_search, return_dict_in_generate=True,
+                         **kw)
+    assert out.past_key_values is cache
+    # one row per prompt: the decoder start token, then 3 slots for each of the 5 decode steps; the encoder's keys once
+    self_layer, cross_layer = cache.self_attention_cache.layers[0], cache.cross_attention_cache.layers[0]
+    assert self_layer.keys.shape[0] == 3 and cache.get_seq_length() == 1 + 3 * 5
+    assert (cross_layer.keys.shape[0], cross_layer.keys.shape[2]) == (3, ids.shape[1])
+    assert torch.equal(out.sequences, model.generate(ids, **kw))
 
 
 def test_unsupported_settings_raise_clear_errors():

@@ -2,12 +2,14 @@
 
 import pytest
 import torch
-from helpers import tiny_gpt_config
+from helpers import tiny_gpt_config, tiny_seq2seq_config
 
-from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.generation import (
     MoEGenerateBeamDecoderOnlyOutput,
+    MoEGenerateBeamEncoderDecoderOutput,
     MoEGenerateDecoderOnlyOutput,
+    MoEGenerateEncoderDecoderOutput,
     flat_beam_search,
 )
 
@@ -102,3 +104,72 @@ def test_router_logits_never_reach_the_forward_and_plain_generate_is_unchanged()
     assert len(model._forward_pre_hooks) == 1 and not any(layer.mlp._forward_hooks for layer in model.model.layers)
     with pytest.raises(ValueError, match="return_dict_in_generate"):
         model.generate(ids, attention_mask=mask, max_new_tokens=3, output_router_logits=True)
+
+
+def make_seq2seq_model():
+    # encoder: 3 layers, MoE in 0 and 2; decoder: 2 layers, MoE in 1
+    config = tiny_seq2seq_config(num_hidden_layers=3, encoder_moe_layers=[0, 2], decoder_moe_layers=[1])
+    return Seq2SeqMoEForConditionalGeneration(config).eval()
+
+
+def seq2seq_forward_routing(model, ids, mask, sequences):
+    """Per stack and MoE layer, the routing of one forward: encoder [rows * S, E or k], decoder [rows, length, E or k]."""
+    with torch.no_grad():
+        out = model(ids, attention_mask=mask, decoder_input_ids=sequences, output_router_logits=True)
+    rows, length = sequences.shape
+    return (out.encoder_router_logits, out.encoder_router_expert_ids,
+            [x.view(rows, length, -1) for x in out.decoder_router_logits],
+            [x.view(rows, length, -1) for x in out.decoder_router_expert_ids])
+
+
+def assert_encoder_routing(out, expected_logits, expected_ids):
+    assert len(out.encoder_router_logits) == len(out.encoder_router_expert_ids) == 2
+    for got, expected in zip(out.encoder_router_logits, expected_logits):
+        assert got.shape == (2 * P, E)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    for got, expected in zip(out.encoder_router_expert_ids, expected_ids):
+        assert torch.equal(got, expected)
+
+
+def test_seq2seq_moe_reports_its_encoder_once_and_its_decoder_per_step():
+    model = make_seq2seq_model()
+    ids, mask = padded_prompts()
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, eos_token_id=None,
+                         output_router_logits=True, return_dict_in_generate=True)
+    assert isinstance(out, MoEGenerateEncoderDecoderOutput) and out.sequences.shape == (2, 1 + NEW)
+    enc_logits, enc_ids, dec_logits, dec_ids = seq2seq_forward_routing(model, ids, mask, out.sequences[:, :-1])
+    assert_encoder_routing(out, enc_logits, enc_ids)
+    # step t: the decoder token at position t (step 0: the decoder start token) of every row, in the decoder's MoE layer
+    assert len(out.router_logits) == len(out.router_expert_ids) == NEW
+    for t in range(NEW):
+        assert len(out.router_logits[t]) == len(out.router_expert_ids[t]) == 1
+        torch.testing.assert_close(out.router_logits[t][0], dec_logits[0][:, t], atol=1e-5, rtol=1e-4)
+        assert torch.equal(out.router_expert_ids[t][0], dec_ids[0][:, t])
+    # an encoder output passed in: the encoder does not run, so it has no routing to report
+    encoder_outputs = model.get_encoder()(ids, attention_mask=mask)
+    again = model.generate(encoder_outputs=encoder_outputs, attention_mask=mask, max_new_tokens=NEW, do_sample=False,
+                           eos_token_id=None, output_router_logits=True, return_dict_in_generate=True)
+    assert torch.equal(again.sequences, out.sequences) and len(again.router_logits) == NEW
+    assert again.encoder_router_logits is None and again.encoder_router_expert_ids is None
+
+
+def test_seq2seq_moe_beam_and_flat_beam_search_report_both_stacks():
+    model = make_seq2seq_model()
+    ids, mask = padded_prompts()
+    K = 3
+    kw = dict(attention_mask=mask, num_beams=K, max_new_tokens=NEW, eos_token_id=None, output_router_logits=True,
+              return_dict_in_generate=True)
+    beam = model.generate(ids, **kw)
+    flat = model.generate(ids, custom_generate=flat_beam_search, **kw)
+    assert isinstance(beam, MoEGenerateBeamEncoderDecoderOutput) and isinstance(flat, MoEGenerateBeamEncoderDecoderOutput)
+    assert torch.equal(beam.sequences, flat.sequences)
+    enc_logits, enc_ids, dec_logits, _ = seq2seq_forward_routing(model, ids, mask, beam.sequences[:, :1])
+    for out in (beam, flat):  # the encoder runs once on the prompts, before they are expanded to K beams
+        assert_encoder_routing(out, enc_logits, enc_ids)
+    # step 0, the decoder start token: Transformers runs it K times per prompt, flat beam search once
+    assert beam.router_logits[0][0].shape == (2 * K, E) and flat.router_logits[0][0].shape == (2, E)
+    torch.testing.assert_close(flat.router_logits[0][0], dec_logits[0][:, 0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(beam.router_logits[0][0].view(2, K, E)[:, 0], dec_logits[0][:, 0], atol=1e-5, rtol=1e-4)
+    for t in range(1, NEW):  # one row per running beam, in the same order
+        torch.testing.assert_close(flat.router_logits[t][0], beam.router_logits[t][0], atol=1e-5, rtol=1e-4)
+        assert torch.equal(flat.router_expert_ids[t][0], beam.router_expert_ids[t][0])

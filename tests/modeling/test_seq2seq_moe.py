@@ -254,6 +254,9 @@ assert type(model).__module__.startswith({module!r}), type(model).__module__
 assert model.lm_head.weight is model.model.shared.weight, "head no longer tied"
 assert torch.equal(model(ids, labels=labels).logits, logits), "logits differ"
 assert torch.equal(model.generate(ids, max_new_tokens=4, num_beams=2), tokens), "generations differ"
+# custom_generate/generate.py is the model's generate: beam search runs flat (one cache row per prompt)
+cache = model.generate(ids, max_new_tokens=4, num_beams=2, return_dict_in_generate=True).past_key_values
+assert cache.self_attention_cache.layers[0].keys.shape[0] == ids.shape[0], "beam search did not run flat"
 print("OK")
 """
 

@@ -100,7 +100,7 @@ def test_dense_model_has_no_expert_rank_in_file_names(tmp_path):
 def test_tensor_layouts():
     """Megatron's conventions, by value: per-KV-group q/k/v interleave, gated fc1 per rank, experts by rank, padding."""
     q, k, v = torch.arange(4.0).view(4, 1), torch.tensor([[10.0], [11.0]]), torch.tensor([[20.0], [21.0]])
-    (qkv,) = InterleaveQKV(heads=4, groups=2, head_dim=1).forward([q, k, v])
+    (qkv,) = InterleaveQKV(heads=4, groups=2, head_dim=1)([q, k, v])
     assert qkv.flatten().tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
 
     m = model("llama", num_hidden_layers=2, moe_layer_frequency=2)  # layer 0 dense, layer 1 MoE
