@@ -7,15 +7,17 @@
 import json
 import sys
 
-from accelerate.state import AcceleratorState, GradientState
+from accelerate.state import AcceleratorState, GradientState, PartialState
 
 from hf_ppmoe.training.__main__ import cli
 
 if __name__ == "__main__":
+    # A run ends with Accelerator.end_training, which destroys the process group. A new default group in the same
+    # torchrun job would meet the old one's rendezvous keys in torchrun's store (and hang), so the group is kept for
+    # the next run, and Accelerate's state is reset around it, as in a new process.
+    PartialState.destroy_process_group = lambda self, group=None: None
     for argv in json.loads(sys.argv[1]):
         if cli(argv):
             sys.exit(f"run {argv} failed")
-        # a run ends with Accelerator.end_training, which destroys the process group: let the next run's
-        # Accelerator start afresh, as in a new process (what Accelerate's own test cases do between tests)
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
