@@ -7,7 +7,7 @@ import sys
 from transformers import HfArgumentParser
 
 COMMANDS = {
-    "demo": "Train a small GPT-MoE on the built-in corpus, show expert load, generate text.",
+    "demo": "Built-in corpus: dense GPT-2 -> upcycled GPT-MoE -> fine-tuned vs dense -> flat beam search -> merged back.",
     "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
     "import": "Import an MoE checkpoint (Mixtral; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",

@@ -187,8 +187,11 @@ def _grouped_mm_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out):
 def _grouped_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out):
     """y[rows_e] = down_e(act(in_e(x[rows_e]))) for the contiguous row blocks of each expert.
 
-    Returns y [N, H] and the pre-activations a [N, 2I or I] (kept for the backward pass)."""
-    a = x.new_empty(x.shape[0], w_in.shape[2])
+    Returns y [N, H] and each expert's pre-activations [n_e, 2I or I] (kept for the backward pass). The
+    pre-activations are allocated per expert rather than as rows of one [N, 2I] buffer: on CPU a fresh buffer that
+    large comes from mmap and every page faults on first write (measured: 20-30% of the up-projection), while
+    per-expert blocks are reused from the heap."""
+    pre_activations = []
     y = x.new_empty(x.shape[0], w_out.shape[2])
     start = 0
     for e, n in enumerate(counts):
@@ -196,9 +199,10 @@ def _grouped_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out):
             continue
         rows = slice(start, start + n)
         start += n
-        _linear_into(a[rows], x[rows], w_in[e], None if b_in is None else b_in[e])
-        _linear_into(y[rows], experts._activate(a[rows]), w_out[e], None if b_out is None else b_out[e])
-    return y, a
+        a = x[rows] @ w_in[e] if b_in is None else torch.addmm(b_in[e], x[rows], w_in[e])
+        pre_activations.append(a)
+        _linear_into(y[rows], experts._activate(a), w_out[e], None if b_out is None else b_out[e])
+    return y, pre_activations
 
 
 def _linear_into(out, x, weight, bias):
@@ -219,15 +223,16 @@ class _GroupedExpertMLP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, counts, experts, w_in, b_in, w_out, b_out):
-        y, a = _grouped_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out)
-        ctx.save_for_backward(x, a, w_in, w_out)
+        y, pre_activations = _grouped_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out)
+        ctx.save_for_backward(x, w_in, w_out, *pre_activations)
         ctx.counts, ctx.experts, ctx.has_bias = counts, experts, b_in is not None
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        x, a, w_in, w_out = ctx.saved_tensors
+        x, w_in, w_out, *pre_activations = ctx.saved_tensors
         counts, experts = ctx.counts, ctx.experts
+        pre_activations = iter(pre_activations)
         need_x, _, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad
         grad_x = torch.empty_like(x) if need_x else None
         grad_w_in, grad_w_out = torch.empty_like(w_in), torch.empty_like(w_out)
@@ -243,7 +248,7 @@ class _GroupedExpertMLP(torch.autograd.Function):
             rows = slice(start, start + n)
             start += n
             with torch.enable_grad():
-                a_e = a[rows].detach().requires_grad_(True)
+                a_e = next(pre_activations).detach().requires_grad_(True)
                 h = experts._activate(a_e)
             g_y = grad_y[rows]
             torch.mm(h.detach().t(), g_y, out=grad_w_out[e])

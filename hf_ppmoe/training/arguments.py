@@ -11,7 +11,7 @@ from pathlib import Path
 @dataclass
 class TrainArguments:
     # ---- model: exactly one of model_name_or_path / config_name / upcycle_from (none: a small default GPT-MoE)
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a GPT-MoE/Seq2Seq-MoE model."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a causal LM (GPT-MoE or dense) to continue training."})
     config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch."})
     upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle."})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer (upcycling / default model)."})
