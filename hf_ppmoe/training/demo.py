@@ -142,7 +142,8 @@ def run_demo(args: DemoArguments) -> Path:
     print(f"[4/6] generating with flat beam search ({args.num_beams} beams)")
     moe = AutoModelForCausalLM.from_pretrained(root / "moe").eval()
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
-    kw = dict(num_beams=args.num_beams, max_new_tokens=30, repetition_penalty=1.3,
+    new_tokens = min(30, args.block_size - prompt.shape[1])  # the model has block_size positions
+    kw = dict(num_beams=args.num_beams, max_new_tokens=new_tokens, repetition_penalty=1.3,
               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     flat = moe.generate(prompt, custom_generate=flat_beam_search, **kw)
     same = torch.equal(flat, moe.generate(prompt, **kw))
