@@ -144,25 +144,34 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
 
 def _index_dispatch_few_routes(experts, x, expert_ids, weights):
     """`index_dispatch` for the handful of routes of a decoding step: routes sorted on host lists instead of on the
-    device, and on CPU the expert loop replaced by two grouped matmuls (bit-identical there), so the layer costs about
-    ten tensor operations whatever the number of experts hit. The order of routes, and so of the accumulation,
-    is the one `index_dispatch` uses: by expert, then by flat route index."""
+    device; one or two routes (batch-1 decoding) run straight on their token's row, more run as two grouped matmuls on
+    CPU (bit-identical there), so the layer costs about ten tensor operations whatever the number of experts hit.
+    The order of routes, and so of the accumulation, is the one `index_dispatch` uses: by expert, then by flat route
+    index."""
     T, K = expert_ids.shape
     E = experts.num_experts
     ids, w = expert_ids.reshape(-1).tolist(), weights.reshape(-1).tolist()
     routes = sorted((e, r) for r, e in enumerate(ids) if e < E)
+    out = x.new_zeros(T, x.shape[-1])
     if not routes:
-        return x.new_zeros(T, x.shape[-1])
+        return out
+    b_in, b_out = experts.in_proj_bias, experts.down_proj_bias if experts.has_bias else None
+    if not _use_grouped_mm(x, len(routes)):
+        for e, r in routes:
+            row = x[r // K : r // K + 1]
+            a = row @ experts.in_proj[e] if b_in is None else torch.addmm(b_in[e], row, experts.in_proj[e])
+            y = experts._activate(a) @ experts.down_proj[e] if b_out is None else torch.addmm(
+                b_out[e], experts._activate(a), experts.down_proj[e]
+            )
+            out[r // K : r // K + 1].add_(y.mul_(w[r]))
+        return out
     counts = [0] * E
     for e, _ in routes:
         counts[e] += 1
     tokens = torch.tensor([r // K for _, r in routes], device=x.device)
     scale = torch.tensor([w[r] for _, r in routes], dtype=x.dtype, device=x.device)
-    x_routed = x.index_select(0, tokens)
-    b_out = experts.down_proj_bias if experts.has_bias else None
-    args = (x_routed, counts, experts, experts.in_proj, experts.in_proj_bias, experts.down_proj, b_out)
-    y = _grouped_mm_expert_mlp(*args) if _use_grouped_mm(x, len(routes)) else _grouped_expert_mlp(*args)[0]
-    return x.new_zeros(T, x.shape[-1]).index_add_(0, tokens, y * scale.unsqueeze(-1))
+    y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, experts.in_proj, b_in, experts.down_proj, b_out)
+    return out.index_add_(0, tokens, y * scale.unsqueeze(-1))
 
 
 def _use_grouped_mm(x: torch.Tensor, routes: int) -> bool:
