@@ -243,6 +243,7 @@ def atomic_folder(target: str | os.PathLike, overwrite: bool = False) -> Iterato
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.converting-", dir=target.parent))
     try:
         yield staging
+        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output gets normal permissions
         if target.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
             os.replace(target, old / "old")
@@ -253,6 +254,12 @@ def atomic_folder(target: str | os.PathLike, overwrite: bool = False) -> Iterato
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def carry_side_files(checkpoint: Checkpoint, folder: Path, tokenizer=None) -> None:

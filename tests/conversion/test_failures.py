@@ -1,7 +1,9 @@
 """Failures name what is wrong and leave no output folder behind."""
 
 import json
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -120,6 +122,17 @@ def test_existing_output_needs_overwrite(dense, tmp_path):
     upcycle(folder, num_experts=4, save_directory=tmp_path / "out", overwrite=True)
     assert not (tmp_path / "out" / "keep.txt").exists() and (tmp_path / "out" / "config.json").is_file()
     assert _leftovers(tmp_path) == []
+
+
+def test_output_folder_has_normal_permissions(dense, tmp_path):
+    """The output is written in a private temporary folder and renamed; it must not stay private (0700)."""
+    _, folder = dense("gpt2")
+    umask = os.umask(0o022)
+    try:
+        upcycle(folder, num_experts=4, save_directory=tmp_path / "out")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755
 
 
 def test_folder_without_safetensors(tmp_path, dense):
