@@ -94,7 +94,11 @@ class _Stage(nn.Module):
         of this stage's MoE layers in that stack); a stack's aux/z losses average over those layers, the model's
         over all of its MoE layers."""
         config = self.model.config
-        parts = [(n / self.num_moe_layers * out.aux_loss, n / self.num_moe_layers * out.z_loss) for out, n in stacks if out.aux_loss is not None]
+        parts = [
+            (n / self.num_moe_layers * out.aux_loss, n / self.num_moe_layers * out.z_loss)
+            for out, n in stacks
+            if out.aux_loss is not None
+        ]
         if not parts:  # no MoE layers here, or forward only (no gradients: no router losses)
             return hidden
         aux, z = sum(a for a, _ in parts), sum(z for _, z in parts)
@@ -152,7 +156,9 @@ class GPTMoEStage(_Stage):
         if not self.is_first:
             self._received(x)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        out = self.model.model(**inputs, attention_mask=attention_mask, use_cache=False, compute_router_losses=torch.is_grad_enabled())
+        out = self.model.model(
+            **inputs, attention_mask=attention_mask, use_cache=False, compute_router_losses=torch.is_grad_enabled()
+        )
         hidden = self._with_router_loss(out.last_hidden_state, [(out, self.moe_here)])
         return self.model.lm_head(hidden) if self.is_last else hidden
 
