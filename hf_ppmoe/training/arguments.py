@@ -23,7 +23,7 @@ class TrainArguments:
 
     # ---- data: text/JSON-lines files, a cached `datasets` dataset, or the built-in corpus
     train_file: list[str] | None = field(default=None, metadata={"help": ".txt (one document per blank-line block) or .jsonl files."})
-    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: 5% of train)."})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: 5%% of train)."})
     dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` dataset, read from the local cache."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})

@@ -329,3 +329,9 @@ def test_cli_reports_bad_arguments_in_one_line(tmp_path):
     result = run_cli(["--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)])
     assert result.returncode == 2
     assert "error: Data file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_text_formats():
+    """argparse %-formats every help string: a literal % must be written %%."""
+    text = HfArgumentParser(TrainArguments).format_help()
+    assert "(default: 5% of train)" in text and "--pp_size" in text
