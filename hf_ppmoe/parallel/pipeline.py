@@ -87,7 +87,7 @@ class _Stage(nn.Module):
         self.model, self.is_first, self.is_last = model, is_first, is_last
         self.num_moe_layers = max(1, num_moe_layers)  # of the whole model
         self.router_loss_grad_scale = 1 / num_microbatches
-        self.router_losses: list[torch.Tensor] = []  # this step's, per microbatch (detached)
+        self.router_losses: list[torch.Tensor] = []  # this step's (aux, z) of this stage, per microbatch (detached)
 
     def _with_router_loss(self, hidden, stacks):
         """`hidden`, carrying in backward the router loss of this stage's MoE layers. stacks: (stack output, number
@@ -95,14 +95,15 @@ class _Stage(nn.Module):
         over all of its MoE layers."""
         config = self.model.config
         parts = [
-            n / self.num_moe_layers * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
+            (n / self.num_moe_layers * out.aux_loss, n / self.num_moe_layers * out.z_loss)
             for out, n in stacks
             if out.aux_loss is not None
         ]
-        if not parts:
+        if not parts:  # no MoE layers here, or forward only (no gradients: no router losses)
             return hidden
-        router_loss = sum(parts)
-        self.router_losses.append(router_loss.detach())
+        aux, z = sum(a for a, _ in parts), sum(z for _, z in parts)
+        self.router_losses.append(torch.stack([aux, z]).detach())
+        router_loss = config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
         return _RouterLossGrad.apply(hidden, router_loss, self.router_loss_grad_scale)
 
     @staticmethod
@@ -155,7 +156,9 @@ class GPTMoEStage(_Stage):
         if not self.is_first:
             self._received(x)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        out = self.model.model(**inputs, attention_mask=attention_mask, use_cache=False, compute_router_losses=True)
+        out = self.model.model(
+            **inputs, attention_mask=attention_mask, use_cache=False, compute_router_losses=torch.is_grad_enabled()
+        )
         hidden = self._with_router_loss(out.last_hidden_state, [(out, self.moe_here)])
         return self.model.lm_head(hidden) if self.is_last else hidden
 
@@ -319,8 +322,11 @@ class Pipeline:
         schedule: "1f1b" (default) or "gpipe".
         tp: optional tensor-parallel group / 1-D mesh: the stage is then split with `parallelize` (TP x PP).
 
-    `module` is the stage (give its parameters to the optimizer). The batch size must be a multiple of
-    `num_microbatches`; a new batch shape sets the schedule up again (cheap, but keep shapes fixed where you can).
+    `module` is the stage (give its parameters to the optimizer), `layers[r]` the layers of stage r (indices in the
+    whole model). The batch size must be a multiple of `num_microbatches`; a new batch shape sets the schedule up
+    again (cheap, but keep shapes fixed where you can). After `step`, `losses` holds that step's parts of the loss
+    on every rank: {"lm", "aux", "z"} (LM token mean; router aux / z losses averaged over the model's MoE layers and
+    the microbatches, before their coefficients). `forward` runs a GPT-MoE forward only (evaluation).
     """
 
     def __init__(self, model, pp, *, num_microbatches: int, schedule: str = "1f1b", layers=None, tp=None):
@@ -332,6 +338,7 @@ class Pipeline:
         layers = layers or split_layers(stage_class.num_layers(model.config), self.size)
         if len(layers) != self.size:
             raise ValueError(f"`layers` gives {len(layers)} stages, but the pipeline group has {self.size} ranks.")
+        self.layers = list(layers)
         self.module = stage_class(model, layers[self.rank], self.rank == 0, self.rank == self.size - 1, num_microbatches)
         if tp is not None:
             parallelize(model, tp)
@@ -341,7 +348,7 @@ class Pipeline:
         self.holders = {key: [r for r in range(self.size) if key in names[r]] for key in sorted(set().union(*names))}
         self.device = next(model.parameters()).device
         self.num_microbatches, self.schedule_class = num_microbatches, SCHEDULES[schedule]
-        self.schedule, self._shape = None, None
+        self.schedule, self._shape, self.losses = None, None, {}
 
     def _set_up(self, shape) -> None:
         """Stage and schedule for batches of `shape` (inputs, labels), with the activation shapes given up front:
@@ -398,10 +405,31 @@ class Pipeline:
             **kwargs,
         )
         self._sum_shared_gradients()
-        total = torch.zeros((), device=self.device)
+        parts = torch.zeros(3, device=self.device)  # lm, aux, z: each stage adds its own
         if losses:
-            total = total + torch.stack(losses).sum().detach()
+            parts[0] += torch.stack(losses).sum().detach()
         if self.module.router_losses:
-            total = total + torch.stack(self.module.router_losses).mean()
-        dist.all_reduce(total, group=self.group)
-        return total
+            parts[1:] += torch.stack(self.module.router_losses).mean(0)
+        dist.all_reduce(parts, group=self.group)
+        self.losses = dict(zip(("lm", "aux", "z"), parts.unbind()))
+        config = self.module.model.config
+        aux_coef, z_coef = getattr(config, "router_aux_loss_coef", 0), getattr(config, "router_z_loss_coef", 0)
+        return parts[0] + aux_coef * parts[1] + z_coef * parts[2]
+
+    @torch.no_grad()
+    def forward(self, input_ids, attention_mask=None):
+        """A GPT-MoE forward only (evaluation, no router losses): the stages run one after another on the whole
+        batch (every rank passes it), each sending its hidden states to the next. Returns the logits on the last
+        stage, None on the others."""
+        if not isinstance(self.module, GPTMoEStage):
+            raise NotImplementedError("Pipeline.forward runs GPT-MoE stages; an encoder-decoder's are not supported.")
+        x = input_ids
+        if not self.module.is_first:
+            config = self.module.model.config
+            x = torch.empty(*input_ids.shape, config.hidden_size, dtype=self.module.model.dtype, device=self.device)
+            dist.recv(x, group=self.group, group_src=self.rank - 1)
+        out = self.module(x, attention_mask=attention_mask)
+        if self.module.is_last:
+            return out
+        dist.send(out.to(self.module.model.dtype).contiguous(), group=self.group, group_dst=self.rank + 1)
+        return None

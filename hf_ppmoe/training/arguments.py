@@ -23,7 +23,7 @@ class TrainArguments:
 
     # ---- data: text/JSON-lines files, a cached `datasets` dataset, or the built-in corpus
     train_file: list[str] | None = field(default=None, metadata={"help": ".txt (one document per blank-line block) or .jsonl files."})
-    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: 5% of train)."})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: 5%% of train)."})
     dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` dataset, read from the local cache."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
@@ -34,7 +34,7 @@ class TrainArguments:
     output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model."})
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
-    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step."})
+    gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step (with --pp_size: the pipeline's microbatches)."})
     learning_rate: float = field(default=1e-3, metadata={"help": "Peak AdamW learning rate."})
     weight_decay: float = field(default=0.01, metadata={"help": "AdamW weight decay."})
     adam_beta1: float = field(default=0.9, metadata={"help": "AdamW beta1."})
@@ -59,7 +59,7 @@ class TrainArguments:
 
     # ---- parallelism beyond data parallel (hf_ppmoe.parallel)
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts spread over it (PPMoE); WORLD_SIZE / tp_size replicas."})
-    pp_size: int = field(default=1, metadata={"help": "Pipeline stages: refused by this loop (the error says why)."})
+    pp_size: int = field(default=1, metadata={"help": "Pipeline stages (GPT-MoE): layers cut into pp_size stages, the micro-steps are the pipeline's microbatches; WORLD_SIZE / (pp_size * tp_size) replicas."})
 
     def __post_init__(self):
         if self.train_file is not None and isinstance(self.train_file, str):
@@ -91,21 +91,11 @@ class TrainArguments:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"--mixed_precision {self.mixed_precision!r}: use no, bf16 or fp16.")
-        if self.pp_size > 1:
+        if (self.tp_size > 1 or self.pp_size > 1) and self.mixed_precision == "fp16":
             raise ValueError(
-                f"--pp_size {self.pp_size}: pipeline parallelism does not fit this Accelerate loop. A pipeline runs "
-                "forward and backward of all microbatches inside torch.distributed.pipelining's schedule "
-                "(hf_ppmoe.parallel.Pipeline.step), which replaces the model call + accelerator.backward the loop is "
-                "built on (gradient accumulation, mixed precision, the outputs its metrics read), and every process "
-                "holds only its stage, so evaluation and the final save of the whole model would need the stages "
-                "gathered. Use --tp_size (with data parallelism over the remaining processes) here, or Pipeline in "
-                "your own loop (README, Parallelism)."
-            )
-        if self.tp_size > 1 and self.mixed_precision == "fp16":
-            raise ValueError(
-                "--mixed_precision fp16 with --tp_size > 1: fp16 needs Accelerate's gradient scaler, which works "
-                "through an optimizer Accelerate prepares, and a tensor-parallel model's optimizer is kept out of "
-                "Accelerate (its state is sharded). Use --mixed_precision bf16."
+                "--mixed_precision fp16 with --tp_size > 1 or --pp_size > 1: fp16 needs Accelerate's gradient scaler, "
+                "which works through an optimizer Accelerate prepares, and a split model's optimizer is kept out of "
+                "Accelerate (each process holds part of its state). Use --mixed_precision bf16."
             )
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
@@ -126,6 +116,16 @@ class TrainArguments:
                 "(learned positions); lower --block_size."
             )
         experts = getattr(config, "num_experts", None)
+        if self.pp_size > 1 and not experts:
+            raise ValueError(
+                f"--pp_size {self.pp_size} cuts the model into stages with hf_ppmoe.parallel.Pipeline, which knows our "
+                f"GPT-MoE models; this {config.model_type} model is not one. Train it data parallel (no --pp_size)."
+            )
+        if self.pp_size > config.num_hidden_layers:
+            raise ValueError(
+                f"--pp_size {self.pp_size}: the model has {config.num_hidden_layers} layers, fewer than the pipeline "
+                f"stages (every stage needs a layer). Use --pp_size {config.num_hidden_layers} or less."
+            )
         if self.tp_size > 1 and not experts:
             raise ValueError(
                 f"--tp_size {self.tp_size} splits a model with hf_ppmoe.parallel's plans, which GPT-MoE models carry; "

@@ -17,8 +17,16 @@ class RouterMonitor:
 
     def __init__(self, model: torch.nn.Module):
         self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
-        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()]
+        self.handles = {name: m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()}
         self.reset()
+
+    def keep_only(self, module: torch.nn.Module) -> None:
+        """Forget the layers `module` does not hold (a pipeline stage cut from the model): names stay the whole
+        model's."""
+        held = {id(m) for m in module.modules()}
+        for name in [n for n, m in self.layers.items() if id(m) not in held]:
+            self.handles.pop(name).remove()
+            del self.layers[name]
 
     def _hook(self, name):
         def hook(module, inputs, output):
@@ -47,7 +55,7 @@ class RouterMonitor:
         return metrics
 
     def remove(self):
-        for handle in self.handles:
+        for handle in self.handles.values():
             handle.remove()
 
 

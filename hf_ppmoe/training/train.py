@@ -13,12 +13,23 @@ gradient accumulation, the schedule, RNG states, logging; it cannot wrap or chec
 (its DDP refuses DTensors, its TP support composes only with FSDP2, and `save_state` writes model and optimizer from
 the main process alone), so the replicas average their gradients over the data-parallel group here and the model
 and optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards.
+
+`--pp_size P` (GPT-MoE; with or without --tp_size T) cuts the model into P stages (`hf_ppmoe.parallel.Pipeline`) on a
+(dp, pp, tp) mesh of WORLD_SIZE / (P * T) replicas. A replica's batch for an optimizer step is the rows its
+micro-steps would have read, concatenated; one `Pipeline.step` runs them as the pipeline's microbatches (1F1B, or
+GPipe when there are fewer microbatches than stages). Gradients are averaged over the replicas and clipped by the
+whole model's norm (summed over the stages, a parameter several stages hold counted once); evaluation runs the
+stages forward one after another (`Pipeline.forward`); router metrics come from every stage. Checkpoints hold each
+stage's model and optimizer under its own key (torch.distributed.checkpoint); the final model is gathered from the
+stages and written whole by rank 0.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
@@ -35,7 +46,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
-from ..parallel import make_mesh, parallelize
+from ..parallel import Pipeline, make_mesh, parallelize
 from .arguments import TrainArguments
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
@@ -113,23 +124,27 @@ def build_model(args: TrainArguments, tokenizer):
 
 class DataParallel:
     """The processes that share the data: all of Accelerate's (each holds the whole model; Accelerate's DDP averages
-    the gradients), or with `tp_size` > 1 the replicas of a (dp, tp) mesh, each a tensor-parallel group of
-    `tp_size` consecutive processes that see the same batches. `rank` / `size` number the replicas."""
+    the gradients), or with `tp_size` / `pp_size` > 1 the replicas of a (dp, pp, tp) mesh, each `pp_size * tp_size`
+    consecutive processes (pipeline stages, each a tensor-parallel group) that see the same batches. `rank` / `size`
+    number the replicas."""
 
-    def __init__(self, accelerator: Accelerator, tp_size: int):
+    def __init__(self, accelerator: Accelerator, tp_size: int, pp_size: int = 1):
         self.accelerator, self.mesh = accelerator, None
         self.rank, self.size = accelerator.process_index, accelerator.num_processes
-        if tp_size > 1:
-            if self.size % tp_size:
+        split = tp_size * pp_size
+        if split > 1:
+            if self.size % split:
+                sizes = " with ".join(f"--{n} {v}" for n, v in (("pp_size", pp_size), ("tp_size", tp_size)) if v > 1)
                 raise ValueError(
-                    f"--tp_size {tp_size} needs a multiple of {tp_size} processes; this job has {self.size}. Start it "
-                    f"with `torchrun --nproc-per-node {tp_size}` (or a multiple, for data parallelism on top)."
+                    f"{sizes} needs a multiple of {split} processes; this job has {self.size}. Start it "
+                    f"with `torchrun --nproc-per-node {split}` (or a multiple, for data parallelism on top)."
                 )
-            self.mesh = make_mesh(dp=self.size // tp_size, tp=tp_size)
+            self.mesh = make_mesh(dp=self.size // split, pp=pp_size, tp=tp_size)
             self.rank, self.size = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
 
     def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        """Sum or mean over the replicas (the processes of one tensor-parallel group hold the same value)."""
+        """Sum or mean over the replicas (the processes of one tensor-parallel group hold the same value; those of
+        one pipeline, their own stage's)."""
         if self.mesh is None:
             return self.accelerator.reduce(tensor, reduction=reduction)
         tensor = tensor.clone()
@@ -178,9 +193,18 @@ def find_checkpoint(args: TrainArguments) -> Path | None:
 SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a tensor-parallel model and its optimizer
 
 
+def sharded_state(model, optimizer, stage: int | None = None) -> dict:
+    """Model and optimizer state for torch.distributed.checkpoint; a pipeline stage's under its own key (the stages
+    number their layers from 0 alike; the replicas of a stage write it once)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    return state if stage is None else {f"stage_{stage}": state}
+
+
 def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, sharded=None) -> None:
     """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint).
-    sharded: (model, optimizer) that Accelerate does not hold (tensor parallel), saved with their shards."""
+    sharded: (model, optimizer, pipeline stage or None) that Accelerate does not hold (tensor / pipeline parallel),
+    saved by every process."""
     root = Path(args.output_dir, "checkpoints")
     final, staging = root / f"{CHECKPOINT_PREFIX}{step}", root / f"{CHECKPOINT_PREFIX}{step}.saving"
     if accelerator.is_main_process:
@@ -188,8 +212,7 @@ def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, s
     accelerator.wait_for_everyone()
     accelerator.save_state(str(staging))
     if sharded is not None:
-        model_state, optimizer_state = get_state_dict(*sharded)
-        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=staging / SHARDED)
+        dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
@@ -198,16 +221,60 @@ def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, s
     accelerator.wait_for_everyone()
 
 
-def load_sharded(path: Path, model, optimizer) -> None:
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
+def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
+    state = sharded_state(model, optimizer, stage)
     dcp.load(state, checkpoint_id=path)
+    state = state if stage is None else state[f"stage_{stage}"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
 @torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator, dp: DataParallel):
-    """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas."""
+def clip_pipeline_grad_norm(pipe: Pipeline, max_norm: float) -> torch.Tensor:
+    """`clip_grad_norm_` of the whole model from its stages: the squares of the stage's gradient norms (a tensor-
+    parallel gradient's full norm) summed over the pipeline group, a parameter several stages hold counted by its
+    first holder only; every gradient is then scaled by the same factor. Returns the norm before clipping."""
+    repeated = {id(p) for key, p in pipe.module.shared_parameters().items() if pipe.holders[key][0] != pipe.rank}
+    params = [p for p in pipe.module.parameters() if p.grad is not None]
+    squares = torch.zeros((), device=pipe.device)
+    for p in params:
+        if id(p) not in repeated:
+            norm = torch.linalg.vector_norm(p.grad.float())
+            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
+    dist.all_reduce(squares, group=pipe.group)
+    total = squares.sqrt()
+    if max_norm:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0).item()  # as torch.nn.utils.clip_grad_norm_
+        for p in params:
+            p.grad.mul_(scale)
+    return total
+
+
+def gather_pipeline(pipe: Pipeline, dp: DataParallel):
+    """The whole model on rank 0 (None elsewhere), loaded from replica 0's stages: each stage's state dict (tensor-
+    parallel shards gathered) with its layers renamed to their indices in the whole model."""
+    layers, state = pipe.layers[pipe.rank], {}
+    for name, tensor in pipe.module.model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # a collective of the tensor-parallel group
+        name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{layers[int(m[1])]}.", name)
+        state[name] = tensor.detach().cpu()
+    if dp.mesh["dp"].get_local_rank() or dp.mesh["tp"].get_local_rank():
+        return None
+    stages = [None] * pipe.size if pipe.rank == 0 else None
+    dist.gather_object(state, stages, group=pipe.group, group_dst=0)
+    if pipe.rank != 0:
+        return None
+    config = copy.copy(pipe.module.model.config)
+    config.distributed_config = None  # set by tensor parallelism: save_pretrained would wait for the other ranks
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict({name: tensor for stage in stages for name, tensor in stage.items()})
+    return model
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator, dp: DataParallel, pipe=None):
+    """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas (with
+    `pipe`, `model` is its stage: the stages run forward one after another, the last one computes the loss)."""
     model.eval()
     b = args.per_device_train_batch_size
     batches = list(range(0, len(blocks), b))
@@ -217,9 +284,14 @@ def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Acc
     for i in batches[dp.rank :: dp.size]:
         batch = blocks[i : i + b].to(accelerator.device)
         with accelerator.autocast():
-            logits = model(batch).logits.float()
+            logits = model(batch).logits if pipe is None else pipe.forward(batch)
+        if logits is None:  # not the pipeline's last stage
+            continue
+        logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
         total[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
         total[1] += batch[:, 1:].numel()
+    if pipe is not None:
+        dist.all_reduce(total, group=pipe.group)
     total = dp.reduce(total)
     model.train()
     loss = (total[0] / total[1].clamp(min=1)).item()
@@ -261,11 +333,19 @@ def main(args: TrainArguments) -> dict:
 
     model = build_model(args, tokenizer)
     args.check_model(model.config)
-    dp = DataParallel(accelerator, args.tp_size)
-    if dp.mesh is not None:
-        parallelize(model, dp.mesh["tp"])  # every process built the same weights (same seed or checkpoint)
+    dp = DataParallel(accelerator, args.tp_size, args.pp_size)
     model.train()
-    monitor = RouterMonitor(model)
+    monitor, pipe = RouterMonitor(model), None
+    if args.pp_size > 1:  # every process built the same weights (same seed or checkpoint) and keeps its stage
+        micro = args.gradient_accumulation_steps
+        pipe = Pipeline(
+            model, dp.mesh["pp"], num_microbatches=micro, schedule="1f1b" if micro >= args.pp_size else "gpipe",
+            tp=dp.mesh["tp"] if args.tp_size > 1 else None,
+        )
+        model = pipe.module
+        monitor.keep_only(model)
+    elif dp.mesh is not None:
+        parallelize(model, dp.mesh["tp"])  # every process built the same weights (same seed or checkpoint)
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
@@ -280,7 +360,7 @@ def main(args: TrainArguments) -> dict:
     if dp.mesh is None:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:  # see the module docstring
-        scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer)
+        scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
     accelerator.init_trackers("hf-ppmoe", config=json.loads(args.to_json()))
     start_step = 0
     if checkpoint is not None:
@@ -290,38 +370,53 @@ def main(args: TrainArguments) -> dict:
         start_step = resume_step
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
 
-    config = accelerator.unwrap_model(model).config
+    config = pipe.module.model.config if pipe else accelerator.unwrap_model(model).config
     tokens_per_step = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                disable=not accelerator.is_local_main_process, desc="training", dynamic_ncols=True)
     clock, eval_metrics = time.perf_counter(), {}
     for step in bar:
-        sums = torch.zeros(3, device=accelerator.device)  # lm, aux, z (means over micro-steps)
-        grad_norm = None
-        for micro in range(args.gradient_accumulation_steps):
-            batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
-            with accelerator.accumulate(model):
-                with accelerator.autocast():
-                    out = model(batch, labels=batch)
-                accelerator.backward(out.loss)
-                if accelerator.sync_gradients:
-                    dp.average_gradients(model)
-                    grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
-            aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
-            aux = aux.detach() if aux is not None else torch.zeros((), device=accelerator.device)
-            z = z.detach() if z is not None else torch.zeros((), device=accelerator.device)
-            lm = out.loss.detach() - getattr(config, "router_aux_loss_coef", 0) * aux - getattr(config, "router_z_loss_coef", 0) * z
-            sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
+        if pipe is not None:  # the micro-steps' rows in one batch, the pipeline's microbatches
+            rows = [batch_indices(step, m, dp.rank, args, dp.size, len(blocks)) for m in range(args.gradient_accumulation_steps)]
+            batch = blocks[torch.cat(rows)].to(accelerator.device)
+            with accelerator.autocast():
+                pipe.step(batch, batch)
+            dp.average_gradients(model)
+            grad_norm = clip_pipeline_grad_norm(pipe, args.max_grad_norm)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sums = torch.stack([pipe.losses[name] for name in ("lm", "aux", "z")])
+        else:
+            sums = torch.zeros(3, device=accelerator.device)  # lm, aux, z (means over micro-steps)
+            grad_norm = None
+            for micro in range(args.gradient_accumulation_steps):
+                batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
+                with accelerator.accumulate(model):
+                    with accelerator.autocast():
+                        out = model(batch, labels=batch)
+                    accelerator.backward(out.loss)
+                    if accelerator.sync_gradients:
+                        dp.average_gradients(model)
+                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                        optimizer.step()
+                        optimizer.zero_grad(set_to_none=True)
+                aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
+                aux = aux.detach() if aux is not None else torch.zeros((), device=accelerator.device)
+                z = z.detach() if z is not None else torch.zeros((), device=accelerator.device)
+                lm = out.loss.detach() - getattr(config, "router_aux_loss_coef", 0) * aux - getattr(config, "router_z_loss_coef", 0) * z
+                sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
         scheduler.step()
         done = step + 1
         sums = dp.reduce(sums, reduction="mean")
         router = monitor.collect(lambda t: dp.reduce(t.to(accelerator.device)))
+        if pipe is not None:  # every stage has its own layers' metrics
+            stages = [None] * pipe.size
+            dist.all_gather_object(stages, router, group=pipe.group)
+            router = {name: value for stage in stages for name, value in stage.items()}
         elapsed = time.perf_counter() - clock
         clock = time.perf_counter()
         if done % args.eval_steps == 0 or done == args.max_steps:
-            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp)
+            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp, pipe)
             accelerator.log(eval_metrics, step=done)
         if done % args.logging_steps == 0 or done == args.max_steps:
             metrics = {
@@ -336,8 +431,13 @@ def main(args: TrainArguments) -> dict:
 
     accelerator.wait_for_everyone()
     monitor.remove()
-    unwrapped = accelerator.unwrap_model(model)
-    unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
+    if pipe is not None:  # the whole model, on rank 0
+        unwrapped = gather_pipeline(pipe, dp)
+        if accelerator.is_main_process:
+            unwrapped.save_pretrained(output_dir)
+    else:
+        unwrapped = accelerator.unwrap_model(model)
+        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
         if args.plots:

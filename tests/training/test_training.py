@@ -1,5 +1,5 @@
-"""`hf_ppmoe.training`: data parallel, tensor parallel and both == one process, kill + resume == uninterrupted (also
-tensor parallel), logs/plots, argument errors."""
+"""`hf_ppmoe.training`: data parallel, tensor parallel, pipeline parallel and their combinations == one process, kill +
+resume == uninterrupted (also tensor and pipeline parallel), logs/plots, argument errors."""
 
 import json
 import os
@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, HfArgumentParser
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
 
 from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.training import TrainArguments, main
-from hf_ppmoe.training.data import builtin_corpus
+from hf_ppmoe.training.data import builtin_corpus, pack, read_text_files
 from hf_ppmoe.training.tracking import read_jsonl
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -22,15 +23,17 @@ RUNS = Path(__file__).with_name("runs.py")
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A small text file (a slice of the built-in corpus) and tiny GPT-MoE configs with 1 and 2 router groups."""
+    """A small text file (a slice of the built-in corpus) and tiny GPT-MoE configs with 1 and 2 router groups, with
+    a separate head or one tied to the embeddings."""
     root = tmp_path_factory.mktemp("data")
     (root / "train.txt").write_text("\n\n".join(builtin_corpus()[:12]))
     for groups in (1, 2):
-        GPTMoEConfig(
-            vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, router_type="gshard",
-            capacity_factor=1.5, router_random_routing=False, router_num_groups=groups,
-        ).to_json_file(root / f"config_g{groups}.json")
+        for tied in (False, True):
+            GPTMoEConfig(
+                vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, router_type="gshard",
+                capacity_factor=1.5, router_random_routing=False, router_num_groups=groups, tie_word_embeddings=tied,
+            ).to_json_file(root / f"config_g{groups}{'_tied' if tied else ''}.json")
     return root
 
 
@@ -67,13 +70,19 @@ def train_losses(out):
     return metrics(out)
 
 
-def assert_same_run(a, b, steps):
+def assert_same_run(a, b, steps, extra=()):
     """The same losses, router losses and gradient norms per step (float noise of a different summation order)."""
-    for key, tolerance in (("train/lm_loss", 1e-5), ("train/aux_loss", 1e-4), ("train/grad_norm", 1e-4)):
+    for key, tolerance in (("train/lm_loss", 1e-5), ("train/aux_loss", 1e-4), ("train/grad_norm", 1e-4), *extra):
         values_a, values_b = metrics(a, key), metrics(b, key)
         assert set(values_a) >= set(steps) and set(values_b) >= set(steps), key
         for step in steps:
             assert values_a[step] == pytest.approx(values_b[step], rel=tolerance, abs=tolerance), (key, step)
+
+
+def assert_same_model(a, b):
+    ours, theirs = (AutoModelForCausalLM.from_pretrained(path) for path in (a, b))
+    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def _args(corpus, out, **extra):
@@ -98,16 +107,33 @@ def reference_two_groups(corpus, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def reference_tied_two_groups(corpus, tmp_path_factory):
+    """As reference_two_groups, with the head tied to the embeddings (a parameter both pipeline stages hold)."""
+    out = tmp_path_factory.mktemp("reference_g2_tied")
+    main(_args(corpus, out, config_name=str(corpus / "config_g2_tied.json"), max_steps=3))
+    return out
+
+
+# --pp_size 2 with 2 microbatches of 4 sequences: each microbatch computes its router losses on its own tokens, as
+# one router group of a single process's 8 sequences (router_num_groups=2) does
+PIPELINE = dict(steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, pp_size=2)
+
+
+@pytest.fixture(scope="module")
 def two_processes(corpus, tmp_path_factory):
     """One launch of 2 processes: data parallel (2 x 4 sequences), tensor parallel (--tp_size 2, 8 sequences, with
-    checkpoints), and tensor parallel resumed from that run's step-4 checkpoint."""
+    checkpoints), tensor parallel resumed from that run's step-4 checkpoint, pipeline parallel (--pp_size 2, tied
+    head, with checkpoints) and pipeline parallel resumed from its step-2 checkpoint."""
     root = tmp_path_factory.mktemp("two_processes")
     tp_checkpoint = root / "tp" / "checkpoints" / "step_4"
+    tied = str(corpus / "config_g1_tied.json")
     launch(
         2,
         flags(corpus, root / "dp", steps=3, per_device_train_batch_size=4),
         flags(corpus, root / "tp", steps=6, checkpointing_steps=2, tp_size=2),
         flags(corpus, root / "tp_resumed", steps=6, checkpointing_steps=2, tp_size=2, resume=tp_checkpoint),
+        flags(corpus, root / "pp", config_name=tied, checkpointing_steps=2, **PIPELINE),
+        flags(corpus, root / "pp_resumed", config_name=tied, resume=root / "pp" / "checkpoints" / "step_2", **PIPELINE),
     )
     return root
 
@@ -126,9 +152,7 @@ def test_two_process_tensor_parallel_equals_one_process(two_processes, reference
     gradient norms per step, and the saved whole model, equal the single process's."""
     assert set(train_losses(two_processes / "tp")) == set(range(1, 7))
     assert_same_run(reference, two_processes / "tp", steps=range(1, 7))
-    ours, theirs = (AutoModelForCausalLM.from_pretrained(path) for path in (two_processes / "tp", reference))
-    for (name, p), (_, q) in zip(ours.named_parameters(), theirs.named_parameters(), strict=True):
-        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+    assert_same_model(two_processes / "tp", reference)
 
 
 def test_tensor_parallel_resume_equals_uninterrupted(two_processes, reference):
@@ -137,10 +161,52 @@ def test_tensor_parallel_resume_equals_uninterrupted(two_processes, reference):
     assert_same_run(reference, two_processes / "tp_resumed", steps=[5, 6])
 
 
-def test_data_times_tensor_parallel_equals_one_process(corpus, reference_two_groups, tmp_path):
-    """4 processes, --tp_size 2: two tensor-parallel replicas of 4 sequences each == 1 process x 8 sequences."""
-    launch(4, flags(corpus, tmp_path, steps=3, per_device_train_batch_size=4, tp_size=2))
-    assert_same_run(reference_two_groups, tmp_path, steps=[1, 2, 3])
+def eval_loss(model_dir, corpus, batch_size, batches=2):
+    """What `evaluate` computes (validation blocks, batches of `batch_size`), by the saved model in this process."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    blocks = pack(read_text_files([str(corpus / "train.txt")], "text"), AutoTokenizer.from_pretrained(model_dir), 32)
+    blocks = blocks[-max(1, len(blocks) // 20):]
+    total = count = 0
+    with torch.no_grad():
+        for i in range(0, min(len(blocks), batches * batch_size), batch_size):
+            batch = blocks[i : i + batch_size]
+            logits = model(batch).logits
+            total += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+            count += batch[:, 1:].numel()
+    return total / count
+
+
+def test_two_stage_pipeline_equals_one_process(two_processes, reference_tied_two_groups, corpus):
+    """--pp_size 2 (layer 0 and the embeddings | layer 1, norm and the head tied to the embeddings), 2 microbatches:
+    losses, router losses and metrics, gradient norms (the tied weight counted once) per step, the saved whole
+    model and the evaluation (stages run forward one after another) equal the single process's."""
+    run, reference = two_processes / "pp", reference_tied_two_groups
+    assert set(train_losses(run)) == {1, 2, 3}
+    extra = (("train/z_loss", 1e-4), ("expert_load_cv/layers.1", 1e-4))
+    assert_same_run(reference, run, steps=[1, 2, 3], extra=extra)
+    assert_same_model(run, reference)
+    assert metrics(run, "eval/loss")[3] == pytest.approx(eval_loss(reference, corpus, batch_size=4), rel=1e-5)
+
+
+def test_pipeline_resume_equals_uninterrupted(two_processes, reference_tied_two_groups):
+    """Resumed from the pipeline run's step-2 checkpoint (each stage's model and optimizer)."""
+    assert set(train_losses(two_processes / "pp_resumed")) == {3}
+    assert_same_run(reference_tied_two_groups, two_processes / "pp_resumed", steps=[3])
+    assert_same_model(two_processes / "pp_resumed", reference_tied_two_groups)
+
+
+def test_four_processes_equal_one_process(corpus, reference_two_groups, tmp_path):
+    """4 processes, one launch: --tp_size 2 (two tensor-parallel replicas of 4 sequences each) and --pp_size 2
+    --tp_size 2 (one replica, 2 microbatches of 4 sequences, each stage split over 2 processes) == 1 process x 8
+    sequences."""
+    launch(
+        4,
+        flags(corpus, tmp_path / "dp_tp", steps=3, per_device_train_batch_size=4, tp_size=2),
+        flags(corpus, tmp_path / "pp_tp", tp_size=2, **PIPELINE),
+    )
+    assert_same_run(reference_two_groups, tmp_path / "dp_tp", steps=[1, 2, 3])
+    assert_same_run(reference_two_groups, tmp_path / "pp_tp", steps=[1, 2, 3])
+    assert_same_model(tmp_path / "pp_tp", reference_two_groups)
 
 
 # Runs the training CLI and SIGKILLs the process right after it has logged step 5, so the kill lands at the same
@@ -222,8 +288,9 @@ def test_jsonl_and_datasets_sources(tmp_path):
         (dict(mixed_precision="fp8"), "--mixed_precision 'fp8'"),
         (dict(resume="/no/checkpoint"), "no such checkpoint folder"),
         (dict(config_name="/no/config.json"), "does not exist"),
-        (dict(pp_size=2), "pipeline parallelism does not fit this Accelerate loop"),
+        (dict(pp_size=0), "--pp_size must be >= 1"),
         (dict(tp_size=2, mixed_precision="fp16"), "fp16 with --tp_size > 1"),
+        (dict(pp_size=2, mixed_precision="fp16"), "fp16 with --tp_size > 1 or --pp_size > 1"),
     ],
 )
 def test_argument_errors_before_any_work(kwargs, message):
@@ -241,12 +308,18 @@ def test_errors_that_need_the_model_config(monkeypatch):
 
     with pytest.raises(ValueError, match="this gpt2 model has none"):
         TrainArguments(tp_size=2).check_model(GPT2Config())
+    with pytest.raises(ValueError, match="--pp_size 2 cuts the model into stages .* this gpt2 model is not one"):
+        TrainArguments(pp_size=2).check_model(GPT2Config())
+    with pytest.raises(ValueError, match="--pp_size 3: the model has 2 layers, fewer than the pipeline stages"):
+        TrainArguments(pp_size=3, block_size=32).check_model(GPTMoEConfig(num_hidden_layers=2))
     from types import SimpleNamespace
 
     from hf_ppmoe.training.train import DataParallel
 
     with pytest.raises(ValueError, match="--tp_size 2 needs a multiple of 2 processes; this job has 3"):
         DataParallel(SimpleNamespace(process_index=0, num_processes=3), tp_size=2)
+    with pytest.raises(ValueError, match="--pp_size 2 with --tp_size 2 needs a multiple of 4 processes; this job has 6"):
+        DataParallel(SimpleNamespace(process_index=0, num_processes=6), tp_size=2, pp_size=2)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="--push_to_hub was given but HF_HUB_OFFLINE is set"):
         TrainArguments(push_to_hub=True).validate()
@@ -256,3 +329,9 @@ def test_cli_reports_bad_arguments_in_one_line(tmp_path):
     result = run_cli(["--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)])
     assert result.returncode == 2
     assert "error: Data file" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_help_text_formats():
+    """argparse %-formats every help string: a literal % must be written %%."""
+    text = HfArgumentParser(TrainArguments).format_help()
+    assert "(default: 5% of train)" in text and "--pp_size" in text
