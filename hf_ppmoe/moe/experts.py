@@ -119,6 +119,12 @@ SMALL_BATCH_ROUTES = 64
 
 def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """PPMoE Algorithm 1: index_select each expert's tokens, run the expert, write back into a zero tensor."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        # the experts run in autocast's dtype, as nn.Linear layers would; done by hand because the kernels below write
+        # into preallocated buffers and run a custom autograd Function, which autocast does not reach into
+        with torch.autocast(device, enabled=False):
+            return index_dispatch(experts, x.to(torch.get_autocast_dtype(device)), expert_ids, weights)
     T, K = expert_ids.shape
     if T * K <= SMALL_BATCH_ROUTES and not torch.is_grad_enabled():
         return _index_dispatch_few_routes(experts, x, expert_ids, weights)
@@ -132,8 +138,7 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
     order = order[:routed]
     token_idx = order // K if K > 1 else order
     x_routed = x.index_select(0, token_idx)  # [N, H], contiguous per expert
-    b_out = experts.down_proj_bias if experts.has_bias else None
-    args = (x_routed, counts, experts, experts.in_proj, experts.in_proj_bias, experts.down_proj, b_out)
+    args = (x_routed, counts, experts, *_parameters(experts, x.dtype))
     if torch.is_grad_enabled():
         y = _GroupedExpertMLP.apply(*args)
     else:
@@ -155,14 +160,13 @@ def _index_dispatch_few_routes(experts, x, expert_ids, weights):
     out = x.new_zeros(T, x.shape[-1])
     if not routes:
         return out
-    b_in, b_out = experts.in_proj_bias, experts.down_proj_bias if experts.has_bias else None
+    w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
     if not _use_grouped_mm(x, len(routes)):
         for e, r in routes:
             row = x[r // K : r // K + 1]
-            a = row @ experts.in_proj[e] if b_in is None else torch.addmm(b_in[e], row, experts.in_proj[e])
-            y = experts._activate(a) @ experts.down_proj[e] if b_out is None else torch.addmm(
-                b_out[e], experts._activate(a), experts.down_proj[e]
-            )
+            a = row @ w_in[e] if b_in is None else torch.addmm(b_in[e], row, w_in[e])
+            h = experts._activate(a)
+            y = h @ w_out[e] if b_out is None else torch.addmm(b_out[e], h, w_out[e])
             out[r // K : r // K + 1].add_(y.mul_(w[r]))
         return out
     counts = [0] * E
@@ -170,8 +174,14 @@ def _index_dispatch_few_routes(experts, x, expert_ids, weights):
         counts[e] += 1
     tokens = torch.tensor([r // K for _, r in routes], device=x.device)
     scale = torch.tensor([w[r] for _, r in routes], dtype=x.dtype, device=x.device)
-    y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, experts.in_proj, b_in, experts.down_proj, b_out)
+    y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, w_in, b_in, w_out, b_out)
     return out.index_add_(0, tokens, y * scale.unsqueeze(-1))
+
+
+def _parameters(experts: Experts, dtype: torch.dtype):
+    """(in weight, in bias, down weight, down bias) in `dtype` (the stored tensors when they have it already)."""
+    b_out = experts.down_proj_bias if experts.has_bias else None
+    return tuple(None if p is None else p.to(dtype) for p in (experts.in_proj, experts.in_proj_bias, experts.down_proj, b_out))
 
 
 def _use_grouped_mm(x: torch.Tensor, routes: int) -> bool:

@@ -126,3 +126,24 @@ def test_decoding_path_equals_training_path(tokens, mlp):
     if tokens >= 8:
         assert (routing.expert_ids == 4).any(), "the case should exercise dropped routes"
     torch.testing.assert_close(fast, reference.detach(), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
+@pytest.mark.parametrize("tokens", [1, 24])
+def test_index_dispatch_under_bf16_autocast_equals_explicit_bf16(tokens, mlp):
+    """Under autocast the experts compute in bf16 like nn.Linear would (training and decoding paths): the same numbers
+    as the layer with bf16 weights and inputs, with float32 gradients for the float32 parameters."""
+    config = tiny_gpt_config(num_experts=4, **mlp)
+    layer = MoELayer(config).train()
+    x = torch.randn(tokens, 32)
+    routing = layer.gate(x)
+    for grad in (False, True):  # decoding path, then training path
+        with torch.set_grad_enabled(grad), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer.experts(x, routing.expert_ids, routing.weights)
+        reference = copy.deepcopy(layer.experts).to(torch.bfloat16)
+        with torch.set_grad_enabled(grad):
+            expected = reference(x.to(torch.bfloat16), routing.expert_ids, routing.weights.to(torch.bfloat16))
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y, expected, atol=2e-2, rtol=2e-2)
+    y.float().square().sum().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.experts.parameters())

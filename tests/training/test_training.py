@@ -2,6 +2,7 @@
 resume == uninterrupted (also tensor and pipeline parallel), logs/plots, argument errors."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -335,3 +336,11 @@ def test_help_text_formats():
     """argparse %-formats every help string: a literal % must be written %%."""
     text = HfArgumentParser(TrainArguments).format_help()
     assert "(default: 5% of train)" in text and "--pp_size" in text
+
+
+def test_bf16_mixed_precision_trains(corpus, tmp_path):
+    """--mixed_precision bf16 (CPU autocast here): the MoE layers run in bf16 and the run logs finite losses."""
+    summary = main(_args(corpus, tmp_path, max_steps=2, mixed_precision="bf16"))
+    losses = metrics(tmp_path)
+    assert set(losses) == {1, 2} and all(math.isfinite(v) for v in losses.values())
+    assert math.isfinite(summary["eval/loss"])
