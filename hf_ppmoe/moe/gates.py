@@ -101,8 +101,9 @@ class Gate(nn.Module):
         logits = F.linear(x.float(), self.weight.float())  # [T, E], routing in float32
         expert_ids, weights, probs, assignment = self.select(logits)
         if token_mask is not None:
-            expert_ids = expert_ids.masked_fill(~token_mask.view(T, 1), E)
-            weights = weights.masked_fill(~token_mask.view(T, 1), 0.0)
+            padding = ~token_mask.view(T, 1)
+            expert_ids = expert_ids.masked_fill(padding, E)
+            weights = weights.masked_fill(padding, 0.0)
         chosen = expert_ids
 
         group_size = group_size_for(T, self.num_groups)
@@ -127,8 +128,11 @@ class Gate(nn.Module):
         return routing
 
 
-def _one_hot(ids: torch.Tensor, num_classes: int, dtype) -> torch.Tensor:
-    return F.one_hot(ids, num_classes).to(dtype)
+def _one_hot(ids: torch.Tensor, num_classes: int, dtype, value: float = 1.0) -> torch.Tensor:
+    """[..., num_classes] with `value` at each id: one scatter (F.one_hot also validates the ids and casts, which is
+    most of a decoding step's gate time)."""
+    out = torch.zeros(*ids.shape, num_classes, dtype=dtype, device=ids.device)
+    return out.scatter_(-1, ids.unsqueeze(-1), value)
 
 
 @register_gate("switch")
@@ -162,7 +166,8 @@ class TopKGate(Gate):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        assignment = _one_hot(experts, self.num_experts, probs.dtype).mean(dim=1)
+        # each token's share of routes per expert (top-k ids are distinct): one scatter of 1/k per route
+        assignment = probs.new_zeros(probs.shape).scatter_(1, experts, 1.0 / self.top_k)
         return experts, weights, probs, assignment
 
 
