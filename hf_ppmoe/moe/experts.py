@@ -6,9 +6,12 @@ N routes that reach an expert, G groups, S group size, C capacity.
 `Experts` stores the weights of E feed-forward experts stacked along dim 0, input dimension first (Transformers'
 "transposed" expert layout, `is_transposed=True`): `gate_up_proj [E, H, 2I]` = [gate | up] along the last dim for
 gated MLPs or `up_proj [E, H, I]`, `down_proj [E, I, H]`, optional biases `[E, 2I or I]`, `[E, H]`. Inputs multiply
-from the left (`x @ W[e]`), which runs about twice as fast as `x @ W[e].T` for the few rows an expert sees while
-decoding (measured with MKL on CPU; the same in training). It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])`; ids
-equal to `num_experts` are skipped. The implementation is picked by `config.dispatch`:
+from the left (`x @ W[e]`). For the many rows of training the layout makes no measurable difference; for the few
+rows of decoding, with the weights coming from memory, `x @ W[e].T` on output-first weights is 15-25% faster on CPU
+(benchmarks/RESULTS.md, Generation), so output-first storage is the planned change.
+
+It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])`; ids equal to
+`num_experts` are skipped. The implementation is picked by `config.dispatch`:
 
 - `index`  (PPMoE Algorithm 1, the default): sort the routes by expert once, `index_select` the tokens each expert
            gets, run the experts one after another on their contiguous slices, weight, and add back with `index_add`.
