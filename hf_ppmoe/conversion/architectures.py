@@ -207,13 +207,13 @@ def _mixtral_rules(c, _names=frozenset()):
     s, m = "model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."
     return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False, dense_mlp=False)] + [
         rename(s + "gate.weight", m + "gate.weight"),
-        # per-expert nn.Linear w1 (gate), w3 (up) [I, H] -> gate_up_proj [E, H, 2I]; w2 (down) [H, I] -> down_proj [E, I, H]
+        # per-expert nn.Linear w1 (gate), w3 (up) [I, H] -> gate_up_proj [E, 2I, H]; w2 (down) [H, I] -> down_proj [E, H, I]
         Rule(
             (s + "experts.{e}.w1.weight", s + "experts.{e}.w3.weight"),
             (m + "experts.gate_up_proj",),
-            Chain(Stack(2), Concat(1, 2), Transpose()),
+            Chain(Stack(2), Concat(1, 2)),
         ),
-        Rule((s + "experts.{e}.w2.weight",), (m + "experts.down_proj",), Chain(Stack(1), Transpose())),
+        Rule((s + "experts.{e}.w2.weight",), (m + "experts.down_proj",), Stack(1)),
     ]
 
 

@@ -57,8 +57,7 @@ class Identity(Op):
 
 @dataclass(frozen=True)
 class Transpose(Op):
-    """Swap the last two dims: Conv1D [in, out] <-> nn.Linear [out, in] (GPT-2), and nn.Linear [out, in] <-> the
-    input-first expert layout [E, in, out]."""
+    """Swap the last two dims: Conv1D [in, out] <-> nn.Linear [out, in] (GPT-2)."""
 
     def __call__(self, xs):
         return [x.transpose(-2, -1) for x in xs]

@@ -8,8 +8,8 @@ Both directions are `mapping.py` tables and ops, so the round trip is bit-exact:
       model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
           InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
       model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  Concat: [gate; up]
-      model.layers.{i}.mlp.experts.gate_up_proj [E, H, 2I] (input-first, [gate | up])
-          -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   Transpose, Unstack
+      model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H] ([gate; up])
+          -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   Unstack
       model.embed_tokens.weight [V, H] -> embedding.word_embeddings.weight [Vp, H]        PadRows: zero rows
 - `SHARDING`: how each megatron-core tensor is split over tensor-parallel ranks (`tp_op`): column (Split along
   dim 0), gated fc1 (rank r holds [gate_r; up_r], not a slice of [gate; up]: Split with blocks=2), row (Split along
@@ -39,7 +39,6 @@ import torch
 
 from .io import atomic_folder
 from .mapping import (
-    Chain,
     Concat,
     ConversionError,
     Copies,
@@ -49,7 +48,6 @@ from .mapping import (
     PadRows,
     Rule,
     Split,
-    Transpose,
     Unstack,
     materialize,
     rename,
@@ -95,8 +93,7 @@ def rules(config, padded_vocab: int) -> list[Rule]:
         table.append(rename(f"{hf}mlp.gate.weight", f"{mc}mlp.router.weight"))
         experts, local = f"{hf}mlp.experts.", f"{mc}mlp.experts.local_experts.{{e}}."
         fc1 = "gate_up_proj" if config.gated_mlp else "up_proj"
-        # our input-first [E, in, out] -> one nn.Linear [out, in] per expert
-        per_expert = Chain(Transpose(), Unstack())
+        per_expert = Unstack()  # our [E, out, in] -> one nn.Linear [out, in] per expert
         table.append(rename(f"{experts}{fc1}", f"{local}linear_fc1.weight", per_expert))
         table.append(rename(f"{experts}down_proj", f"{local}linear_fc2.weight", per_expert))
         if config.mlp_bias:

@@ -20,8 +20,8 @@ decoder):
 Switch Transformers has T5's layout with `mlp` for `DenseReluDense`; its sparse FFNs are imported as MoE layers:
 
     ...layer.{f}.mlp.router.classifier            ...mlp.gate.weight [E, H]
-    ...layer.{f}.mlp.experts.expert_{e}.wi        ...mlp.experts.up_proj [E, H, I]  (stacked, input first)
-    ...layer.{f}.mlp.experts.expert_{e}.wo        ...mlp.experts.down_proj [E, I, H]
+    ...layer.{f}.mlp.experts.expert_{e}.wi        ...mlp.experts.up_proj [E, I, H]  (stacked nn.Linear weights)
+    ...layer.{f}.mlp.experts.expert_{e}.wo        ...mlp.experts.down_proj [E, H, I]
 
 Tied heads. Transformers 5 always says tie_word_embeddings=True for T5; a checkpoint shows an untied head (real
 v1.1 checkpoints) by storing lm_head.weight, and Transformers unties it on loading. So the tables read the source's
@@ -36,7 +36,7 @@ from transformers import T5Config
 
 from ..modeling.configuration_seq2seq_moe import Seq2SeqMoEConfig
 from ..modeling.modeling_seq2seq_moe import Seq2SeqMoEForConditionalGeneration
-from .mapping import Chain, ConversionError, Mapping, Rule, Same, Stack, Transpose, materialize, rename
+from .mapping import ConversionError, Mapping, Rule, Same, Stack, materialize, rename
 
 # a relative attention bias old T5 checkpoints store for cross-attention, which T5 never uses
 T5_IGNORED = (r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",)
@@ -201,10 +201,10 @@ def switch_rules(c, names=frozenset()) -> list[Rule]:
         if i not in sparse[stack]:
             return dense(t5, ours)
         experts = f"{t5}mlp.experts.expert_{{e}}."
-        return [  # nn.Linear [out, in] per expert -> our input-first [E, in, out]
+        return [  # nn.Linear [out, in] per expert -> our [E, out, in]
             rename(f"{t5}mlp.router.classifier.weight", f"{ours}gate.weight"),
-            rename(experts + "wi.weight", f"{ours}experts.up_proj", Chain(Stack(), Transpose())),
-            rename(experts + "wo.weight", f"{ours}experts.down_proj", Chain(Stack(), Transpose())),
+            rename(experts + "wi.weight", f"{ours}experts.up_proj", Stack()),
+            rename(experts + "wo.weight", f"{ours}experts.down_proj", Stack()),
         ]
 
     return _rules(c, names, ffn)

@@ -27,7 +27,7 @@ from ..modeling import GPTMoEConfig, GPTMoEForCausalLM, Seq2SeqMoEConfig, Seq2Se
 from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
 from .io import Checkpoint, open_checkpoint, read_config_dict
-from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, Transpose, rename
+from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, rename
 from .pipeline import deliver
 
 ROUTER_INITS = ("zeros", "random", "hidden")
@@ -75,9 +75,9 @@ def experts_mapping(
             return Replicate(E, noise, seed=seed * 1_000_003 + 4 * n + k, merge_weights=w)
 
         make_router = routers[n] if routers else _no_router
-        rules += [  # nn.Linear [out, in] -> experts' input-first [E, in, out]
-            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, Transpose(), copies(0))),
-            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Transpose(), Scale(scale), copies(1))),
+        rules += [  # nn.Linear [out, in] -> experts [E, out, in]
+            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, copies(0))),
+            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Scale(scale), copies(1))),
             Rule((), (f"{d}gate.weight",), Create(make_router)),
         ]
         if config.mlp_bias:  # biases are copied without noise

@@ -3,12 +3,12 @@
 Legend: T tokens, H hidden, I expert inner size, E experts (held by this module), K routes per token,
 N routes that reach an expert, G groups, S group size, C capacity.
 
-`Experts` stores the weights of E feed-forward experts stacked along dim 0, input dimension first (Transformers'
-"transposed" expert layout, `is_transposed=True`): `gate_up_proj [E, H, 2I]` = [gate | up] along the last dim for
-gated MLPs or `up_proj [E, H, I]`, `down_proj [E, I, H]`, optional biases `[E, 2I or I]`, `[E, H]`. Inputs multiply
-from the left (`x @ W[e]`). For the many rows of training the layout makes no measurable difference; for the few
-rows of decoding, with the weights coming from memory, `x @ W[e].T` on output-first weights is 15-25% faster on CPU
-(benchmarks/RESULTS.md, Generation), so output-first storage is the planned change.
+`Experts` stores the weights of E feed-forward experts stacked along dim 0 in nn.Linear's orientation, output
+dimension first (Transformers' Mixtral layout, `is_transposed=False`): `gate_up_proj [E, 2I, H]` = [gate ; up]
+along dim 1 for gated MLPs or `up_proj [E, I, H]`, `down_proj [E, H, I]`, optional biases `[E, 2I or I]`, `[E, H]`.
+The kernels below multiply `x @ W[e].T` (input-first views of these tensors). For the many rows of training the
+orientation makes no measurable difference; for the few rows of decoding, with the weights coming from memory, it
+is 15-25% faster on CPU than input-first storage (benchmarks/RESULTS.md, Generation).
 
 It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])`; ids equal to
 `num_experts` are skipped. The implementation is picked by `config.dispatch`:
@@ -65,10 +65,10 @@ class Experts(nn.Module):
         self.num_experts, self.hidden_dim, self.intermediate_dim = E, H, I
         self.has_gate, self.has_bias = config.gated_mlp, config.mlp_bias
         if self.has_gate:
-            self.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I))
+            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
         else:
-            self.up_proj = nn.Parameter(torch.empty(E, H, I))
-        self.down_proj = nn.Parameter(torch.empty(E, I, H))
+            self.up_proj = nn.Parameter(torch.empty(E, I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
         if self.has_bias:
             if self.has_gate:
                 self.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
@@ -82,7 +82,7 @@ class Experts(nn.Module):
         self.dispatch = config.dispatch
         # attributes read by Transformers' experts kernels; sentinel routes are masked there when this is True
         self.config = config
-        self.is_transposed = True
+        self.is_transposed = False
         self.is_concatenated = True
         self.has_post_expert_norm = False
         self._is_expert_parallel = True
@@ -183,8 +183,9 @@ def _index_dispatch_few_routes(experts, x, expert_ids, weights):
 
 def _parameters(experts: Experts, dtype: torch.dtype):
     """(in weight, in bias, down weight, down bias) in `dtype` (the stored tensors when they have it already)."""
-    b_out = experts.down_proj_bias if experts.has_bias else None
-    return tuple(None if p is None else p.to(dtype) for p in (experts.in_proj, experts.in_proj_bias, experts.down_proj, b_out))
+    w_in, w_out = (w.to(dtype).transpose(-2, -1) for w in (experts.in_proj, experts.down_proj))  # input-first views
+    b_in, b_out = experts.in_proj_bias, experts.down_proj_bias if experts.has_bias else None
+    return w_in, None if b_in is None else b_in.to(dtype), w_out, None if b_out is None else b_out.to(dtype)
 
 
 def _use_grouped_mm(x: torch.Tensor, routes: int) -> bool:
@@ -327,11 +328,11 @@ def einsum_dispatch(
     x = x.view(G, S, H)
 
     inputs = torch.einsum("gsec,gsm->egcm", dispatch, x)
-    h = torch.einsum("egcm,emi->egci", inputs, experts.in_proj)
+    h = torch.einsum("egcm,eim->egci", inputs, experts.in_proj)
     if experts.has_bias:
         h = h + experts.in_proj_bias[:, None, None, :]
     h = experts._activate(h)
-    y = torch.einsum("egci,eim->egcm", h, experts.down_proj)
+    y = torch.einsum("egci,emi->egcm", h, experts.down_proj)
     if experts.has_bias:
         y = y + experts.down_proj_bias[:, None, None, :]
     out = torch.einsum("gsec,egcm->gsm", combine, y)

@@ -58,9 +58,9 @@ def test_mean_is_the_mean_of_the_experts(dense):
     merged = merge_experts(moe)
     experts = moe.model.layers[1].mlp.experts
     mlp = merged.transformer.h[1].mlp
-    torch.testing.assert_close(mlp.c_fc.weight, experts.up_proj.mean(0), atol=1e-6, rtol=0)  # both [in, out]
+    torch.testing.assert_close(mlp.c_fc.weight, experts.up_proj.mean(0).t(), atol=1e-6, rtol=0)  # Conv1D [in, out]
     torch.testing.assert_close(mlp.c_fc.bias, experts.up_proj_bias.mean(0), atol=1e-6, rtol=0)
-    torch.testing.assert_close(mlp.c_proj.weight, experts.down_proj.mean(0) / 4, atol=1e-6, rtol=0)
+    torch.testing.assert_close(mlp.c_proj.weight, experts.down_proj.mean(0).t() / 4, atol=1e-6, rtol=0)
     torch.testing.assert_close(mlp.c_proj.bias, experts.down_proj_bias.mean(0) / 4, atol=1e-6, rtol=0)
 
 
@@ -68,9 +68,9 @@ def test_expert_keeps_one_expert(dense):
     moe = _noisy_moe(dense, "llama")
     merged = merge_experts(moe, method="expert", expert=2)
     experts, mlp = moe.model.layers[1].mlp.experts, merged.model.layers[1].mlp
-    gate, up = experts.gate_up_proj[2].chunk(2, dim=-1)  # experts are [in, out], nn.Linear is [out, in]
-    assert torch.equal(mlp.gate_proj.weight, gate.t()) and torch.equal(mlp.up_proj.weight, up.t())
-    assert torch.equal(mlp.down_proj.weight, experts.down_proj[2].t())
+    gate, up = experts.gate_up_proj[2].chunk(2, dim=0)  # experts are [out, in], as nn.Linear
+    assert torch.equal(mlp.gate_proj.weight, gate) and torch.equal(mlp.up_proj.weight, up)
+    assert torch.equal(mlp.down_proj.weight, experts.down_proj[2])
     assert torch.equal(mlp.down_proj.bias, experts.down_proj_bias[2])
     with pytest.raises(ValueError, match="expert=4 does not exist"):
         merge_experts(moe, method="expert", expert=4)
@@ -89,7 +89,7 @@ def test_usage_weights_the_mean_by_routes_per_expert(dense, tmp_path):
     weights = counts / counts.sum()
     assert len(set(counts.tolist())) > 1  # uneven usage, so the test tells "usage" from "mean"
     expected = torch.einsum("e,eij->ij", weights.double(), moe.model.layers[1].mlp.experts.down_proj.double()).float()
-    torch.testing.assert_close(merged.model.layers[1].mlp.down_proj.weight, expected.t(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(merged.model.layers[1].mlp.down_proj.weight, expected, atol=1e-6, rtol=0)
 
 
 def test_usage_cuts_texts_longer_than_the_positions(dense):

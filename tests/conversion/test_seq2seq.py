@@ -137,13 +137,13 @@ def test_merge_methods_on_both_stacks(dense):
     mean, one = merge_experts(moe), merge_experts(moe, method="expert", expert=3)
     for stack, i, f in (("encoder", 1, 1), ("decoder", 0, 2)):
         experts = getattr(moe.model, stack).layers[i].mlp.experts
-        gate, up = experts.gate_up_proj.chunk(2, dim=-1)  # [E, H, I] each, input first; nn.Linear is [out, in]
+        gate, up = experts.gate_up_proj.chunk(2, dim=1)  # [E, I, H] each, as nn.Linear [out, in]
         ffn = getattr(mean, stack).block[i].layer[f].DenseReluDense
-        torch.testing.assert_close(ffn.wi_0.weight, gate.mean(0).t(), atol=1e-6, rtol=0)
-        torch.testing.assert_close(ffn.wi_1.weight, up.mean(0).t(), atol=1e-6, rtol=0)
-        torch.testing.assert_close(ffn.wo.weight, experts.down_proj.mean(0).t(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ffn.wi_0.weight, gate.mean(0), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ffn.wi_1.weight, up.mean(0), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ffn.wo.weight, experts.down_proj.mean(0), atol=1e-6, rtol=0)
         ffn = getattr(one, stack).block[i].layer[f].DenseReluDense
-        assert torch.equal(ffn.wi_1.weight, up[3].t()) and torch.equal(ffn.wo.weight, experts.down_proj[3].t())
+        assert torch.equal(ffn.wi_1.weight, up[3]) and torch.equal(ffn.wo.weight, experts.down_proj[3])
 
 
 def test_usage_counts_the_routes_of_encoder_and_decoder(dense):
@@ -160,7 +160,7 @@ def test_usage_counts_the_routes_of_encoder_and_decoder(dense):
         weights = (counts[stack] / counts[stack].sum()).double()
         assert len(set(weights.tolist())) > 1  # uneven usage, so the test tells "usage" from "mean"
         down = getattr(moe.model, stack).layers[i].mlp.experts.down_proj.double()
-        expected = torch.einsum("e,eij->ij", weights, down).float().t()
+        expected = torch.einsum("e,eij->ij", weights, down).float()
         torch.testing.assert_close(getattr(merged, stack).block[i].layer[f].DenseReluDense.wo.weight, expected, atol=1e-6, rtol=0)
 
 

@@ -101,7 +101,7 @@ def test_noise_breaks_symmetry_reproducibly(dense):
     a = upcycle(folder, num_experts=4, noise_std=1e-3, seed=3)
     b = upcycle(folder, num_experts=4, noise_std=1e-3, seed=3)
     experts = a.model.layers[1].mlp.experts
-    dense_up = torch.cat([model.model.layers[1].mlp.gate_proj.weight, model.model.layers[1].mlp.up_proj.weight]).t()
+    dense_up = torch.cat([model.model.layers[1].mlp.gate_proj.weight, model.model.layers[1].mlp.up_proj.weight])
     deviation = experts.gate_up_proj - dense_up
     assert 0.5e-3 < deviation.std() < 2e-3
     assert not torch.equal(experts.gate_up_proj[0], experts.gate_up_proj[1])

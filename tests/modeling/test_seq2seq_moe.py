@@ -179,10 +179,10 @@ def copy_dense_into_identical_experts(moe_model, dense_model):
                     continue
                 mlp, experts = dense_layer.mlp, moe_layer.mlp.experts
                 if experts.has_gate:
-                    experts.gate_up_proj.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t().expand_as(experts.gate_up_proj))
+                    experts.gate_up_proj.copy_(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).expand_as(experts.gate_up_proj))
                 else:
-                    experts.up_proj.copy_(mlp.up_proj.weight.t().expand_as(experts.up_proj))
-                experts.down_proj.copy_(mlp.down_proj.weight.t().expand_as(experts.down_proj))
+                    experts.up_proj.copy_(mlp.up_proj.weight.expand_as(experts.up_proj))
+                experts.down_proj.copy_(mlp.down_proj.weight.expand_as(experts.down_proj))
 
 
 @pytest.mark.parametrize("dispatch", ["index", "einsum"])

@@ -57,8 +57,8 @@ def copy_dense_into_experts(layer, dense, scale=1.0):
             w_in = torch.cat([dense.gate_proj.weight, dense.up_proj.weight])
         else:
             w_in = dense.up_proj.weight
-        layer.experts.in_proj.copy_(w_in.t().expand(E, -1, -1))
-        layer.experts.down_proj.copy_((dense.down_proj.weight * scale).t().expand(E, -1, -1))
+        layer.experts.in_proj.copy_(w_in.expand(E, -1, -1))
+        layer.experts.down_proj.copy_((dense.down_proj.weight * scale).expand(E, -1, -1))
         if layer.experts.has_bias:
             b_in = torch.cat([dense.gate_proj.bias, dense.up_proj.bias]) if layer.experts.has_gate else dense.up_proj.bias
             layer.experts.in_proj_bias.copy_(b_in.expand(E, -1))

@@ -111,8 +111,8 @@ def test_tensor_layouts():
     assert torch.equal(
         shards[(0, 0)]["decoder.layers.0.mlp.linear_fc2.weight"], sd["model.layers.0.mlp.down_proj.weight"][:, :24]
     )
-    experts = sd["model.layers.1.mlp.experts.gate_up_proj"]  # [E, H, 2I], input first
-    assert torch.equal(shards[(1, 0)]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"], experts[2].t())
+    experts = sd["model.layers.1.mlp.experts.gate_up_proj"]  # [E, 2I, H], as nn.Linear
+    assert torch.equal(shards[(1, 0)]["decoder.layers.1.mlp.experts.local_experts.0.linear_fc1.weight"], experts[2])
     embedding = shards[(1, 0)]["embedding.word_embeddings.weight"]  # vocab 97 padded to 256, rows 128.. on rank 1
     assert embedding.shape == (128, 32) and not embedding.any()
 
