@@ -12,7 +12,6 @@ It also writes `custom_generate/generate.py` (flat beam search), which Transform
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import re
@@ -59,7 +58,6 @@ def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | No
     return aux, z
 
 
-_LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")  # "layers.3.mlp" -> "layers.*.mlp", as Transformers' plan keys
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)
 _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 
@@ -128,38 +126,6 @@ class MoEPreTrainedModel(PreTrainedModel):
     # {"AutoModelForCausalLM": "GPTMoEForCausalLM", ...}: Auto classes written into the saved config's auto_map
     _auto_classes: dict[str, str] = {}
 
-    def init_parallel_plans(self) -> None:
-        """Transformers' plan merging, keeping only the rules that name a module or parameter of this model: the
-        configs list the rules of every layout a family can build (gated or plain FFN, biases, shared expert)."""
-        super().init_parallel_plans()
-        names = {_LAYER_NUMBER.sub(".*", n) for n, _ in [*self.named_modules(), *self.named_parameters()]}
-        self._tp_plan = {k: v for k, v in self._tp_plan.items() if k in names}
-        self._ep_plan = {k: v for k, v in self._ep_plan.items() if k in names}
-
-    def _resolve_parallel_plans(self, distributed_config):
-        """Transformers' resolved plans without the rules of tied duplicates (`lm_head.weight` when tied to the
-        input embeddings, which Transformers cannot look up once tied): the shared weight is split once, by the
-        embedding's rule, which splits the vocabulary as the head's rule would; the head keeps its forward rule."""
-        names = {n for n, _ in [*self.named_modules(), *self.named_parameters()]}
-        plans = super()._resolve_parallel_plans(distributed_config)
-        return tuple({k: v for k, v in plan.items() if k in names} for plan in plans)
-
-    @classmethod
-    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        """Transformers' `maybe_distribute_model`, keeping a tied head tied (see `tied_head_kept`)."""
-        with model.tied_head_kept():
-            return super().maybe_distribute_model(model, distributed_config, mesh_manager)
-
-    @contextlib.contextmanager
-    def tied_head_kept(self):
-        """Ties a head that shares the input embeddings' weight again after the block, which may replace the
-        embedding's parameter object (tensor-parallel splitting does)."""
-        head, embeddings = self.get_output_embeddings(), self.get_input_embeddings()
-        tied = head is not None and embeddings is not None and head.weight is embeddings.weight
-        yield
-        if tied:
-            head.weight = embeddings.weight
-
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
@@ -175,8 +141,8 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """Transformers' `save_pretrained`, written into a temporary folder first and moved into place only once
-        complete (a failed save leaves the target untouched), plus the code for `trust_remote_code=True`. With
-        torch.distributed initialized only rank 0 writes; the other ranks take part in gathering split weights."""
+        complete (a failed save leaves the target untouched), plus the code for `trust_remote_code=True`. In a
+        multi-process run only rank 0 writes; the other ranks take part in gathering split weights."""
         if not self.should_save_on_this_rank(is_main_process):
             return super().save_pretrained(save_directory, *args, is_main_process=False, **kwargs)
         target = Path(save_directory)

@@ -22,12 +22,17 @@ module's input that DTensor once, so autograd sums the partial gradients first a
 
 from __future__ import annotations
 
+import contextlib
+import re
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from transformers import DistributedConfig
+from transformers import DistributedConfig, PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
+
+from ..modeling.common import MoEPreTrainedModel
 
 
 def _replicated(x, mesh):
@@ -106,8 +111,54 @@ def parallelize(model, tp):
         return model
     config = DistributedConfig(tp_size=size)
     tp_plan, _, _ = model._resolve_parallel_plans(config)
-    with model.tied_head_kept():
+    with tied_head_kept(model):
         apply_tensor_parallelism(model, mesh, tp_plan)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
     model.config.distributed_config, model._device_mesh, model._tp_size = config, mesh, size
     return model
+
+
+# Transformers' parallel hooks on our models' base class, installed from here (hf_ppmoe.modeling knows nothing of
+# parallelism; `import hf_ppmoe` imports this package).
+
+_LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")  # "layers.3.mlp" -> "layers.*.mlp", as Transformers' plan keys
+
+
+@contextlib.contextmanager
+def tied_head_kept(model):
+    """Ties a head that shares the input embeddings' weight again after the block, which may replace the embedding's
+    parameter object (tensor-parallel splitting does)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
+    yield
+    if tied:
+        head.weight = embeddings.weight
+
+
+def _init_parallel_plans(self) -> None:
+    """Transformers' plan merging, keeping only the rules that name a module or parameter of this model: the configs
+    list the rules of every layout a family can build (gated or plain FFN, biases, shared expert)."""
+    PreTrainedModel.init_parallel_plans(self)
+    names = {_LAYER_NUMBER.sub(".*", n) for n, _ in [*self.named_modules(), *self.named_parameters()]}
+    self._tp_plan = {k: v for k, v in self._tp_plan.items() if k in names}
+    self._ep_plan = {k: v for k, v in self._ep_plan.items() if k in names}
+
+
+def _resolve_parallel_plans(self, distributed_config):
+    """Transformers' resolved plans without the rules of tied duplicates (`lm_head.weight` when tied to the input
+    embeddings, which Transformers cannot look up once tied): the shared weight is split once, by the embedding's
+    rule, which splits the vocabulary as the head's rule would; the head keeps its forward rule."""
+    names = {n for n, _ in [*self.named_modules(), *self.named_parameters()]}
+    plans = PreTrainedModel._resolve_parallel_plans(self, distributed_config)
+    return tuple({k: v for k, v in plan.items() if k in names} for plan in plans)
+
+
+def _maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+    """Transformers' `maybe_distribute_model`, keeping a tied head tied."""
+    with tied_head_kept(model):
+        return PreTrainedModel.maybe_distribute_model.__func__(cls, model, distributed_config, mesh_manager)
+
+
+MoEPreTrainedModel.init_parallel_plans = _init_parallel_plans
+MoEPreTrainedModel._resolve_parallel_plans = _resolve_parallel_plans
+MoEPreTrainedModel.maybe_distribute_model = classmethod(_maybe_distribute_model)

@@ -43,3 +43,19 @@ def test_encoder_decoder_plans(tied):
     assert tp["model.shared"] == "embedding_rowwise" and tp["lm_head"] == "colwise_gather_output"
     dense = {k.rsplit(".", 1)[1] for k in tp if ".mlp." in k and ".experts" not in k}
     assert dense == ({"up_proj", "down_proj"} if tied else {"gate_proj", "up_proj", "down_proj"})
+
+
+def test_model_code_knows_nothing_of_torch_distributed():
+    """Parallelism is applied from hf_ppmoe.parallel: the MoE core and the model families never name it."""
+    from pathlib import Path
+
+    import hf_ppmoe
+
+    root = Path(hf_ppmoe.__file__).parent
+    offenders = [
+        str(path.relative_to(root))
+        for package in ("moe", "modeling")
+        for path in (root / package).glob("*.py")
+        if "torch.distributed" in path.read_text()
+    ]
+    assert offenders == []
