@@ -23,7 +23,7 @@ from ..conversion import merge_experts, upcycle
 from ..generation import flat_beam_search
 from .arguments import TrainArguments
 from .data import builtin_corpus, train_tokenizer
-from .tracking import read_jsonl
+from .tracking import curve, plot_expert_load, read_jsonl
 from .train import main as train
 
 PROMPT = "The assert statement"
@@ -63,8 +63,7 @@ def _lm_loss(model, blocks: torch.Tensor) -> float:
 
 
 def _curve(run: Path, key: str):
-    points = [(r["step"], r[key]) for r in read_jsonl(run / "logs" / "metrics.jsonl") if key in r]
-    return [s for s, _ in points], [v for _, v in points]
+    return curve(read_jsonl(run / "logs" / "metrics.jsonl"), key)
 
 
 def _plots(root: Path) -> list[str]:
@@ -90,18 +89,7 @@ def _plots(root: Path) -> list[str]:
     fig.savefig(root / "loss.png", dpi=120)
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    records = read_jsonl(root / "moe" / "logs" / "metrics.jsonl")
-    for key in sorted({k for r in records for k in r if k.startswith("expert_load_cv/")}):
-        ax.plot(*_curve(root / "moe", key), label=key.split("/", 1)[1])
-    ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("coefficient of variation of expert load")
-    ax.set_title("expert load per MoE layer (0 = perfectly balanced)")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(root / "expert_load.png", dpi=120)
-    plt.close(fig)
+    plot_expert_load(read_jsonl(root / "moe" / "logs" / "metrics.jsonl"), root / "expert_load.png", "fine-tuning step")
     return ["loss.png", "expert_load.png"]
 
 

@@ -95,6 +95,36 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
+def curve(records: list[dict], key: str) -> tuple[list, list] | None:
+    """(steps, values) of `key` in metrics records, or None where it never appears."""
+    points = [(r["step"], r[key]) for r in records if key in r]
+    return ([s for s, _ in points], [v for _, v in points]) if points else None
+
+
+def plot_expert_load(records: list[dict], path, xlabel: str = "step") -> bool:
+    """PNG of the expert-load coefficient of variation of every MoE layer over training; False if there is none."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    layers = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("expert_load_cv/")})
+    if not layers:
+        return False
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for layer in layers:
+        ax.plot(*curve(records, f"expert_load_cv/{layer}"), label=layer)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("coefficient of variation of expert load")
+    ax.set_title("expert load per MoE layer (0 = perfectly balanced)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def plot_training(metrics_path, out_dir) -> list[Path]:
     """loss.png (train and eval loss) and expert_load.png (load CV per MoE layer) from the metrics log."""
     import matplotlib
@@ -105,15 +135,10 @@ def plot_training(metrics_path, out_dir) -> list[Path]:
     records = read_jsonl(metrics_path)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    written = []
-
-    def series(key):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        return ([s for s, _ in points], [v for _, v in points]) if points else None
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for key, label in (("train/lm_loss", "train LM loss"), ("eval/loss", "eval loss")):
-        if (s := series(key)) is not None:
+        if (s := curve(records, key)) is not None:
             ax.plot(*s, label=label, marker="o" if key.startswith("eval") else None)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy")
@@ -122,20 +147,7 @@ def plot_training(metrics_path, out_dir) -> list[Path]:
     fig.tight_layout()
     fig.savefig(out_dir / "loss.png", dpi=120)
     plt.close(fig)
-    written.append(out_dir / "loss.png")
-
-    layers = sorted({k.split("/", 1)[1] for r in records for k in r if k.startswith("expert_load_cv/")})
-    if layers:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for layer in layers:
-            ax.plot(*series(f"expert_load_cv/{layer}"), label=layer)
-        ax.set_xlabel("step")
-        ax.set_ylabel("expert load coefficient of variation")
-        ax.set_title("expert load per MoE layer (0 = balanced)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out_dir / "expert_load.png", dpi=120)
-        plt.close(fig)
+    written = [out_dir / "loss.png"]
+    if plot_expert_load(records, out_dir / "expert_load.png"):
         written.append(out_dir / "expert_load.png")
     return written
