@@ -49,6 +49,17 @@ def build_norm(norm_type: str, hidden_size: int, eps: float) -> nn.Module:
     return RMSNorm(hidden_size, eps) if norm_type == "rmsnorm" else nn.LayerNorm(hidden_size, eps=eps)
 
 
+def routing_token_mask(attention_mask: torch.Tensor | None, compute_router_losses: bool) -> torch.Tensor | None:
+    """The padding mask the MoE layers route with: a 2D attention mask [B, S] (0 for padding), or None for no
+    padding. In inference a mask without padding (every decoding step of `generate`) becomes None, checked once per
+    forward, so that no MoE layer spends operators on it; training keeps the mask and never waits for the device."""
+    if attention_mask is None or attention_mask.dim() != 2:
+        return None
+    if not compute_router_losses and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
 def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Aux and z losses averaged over the MoE layers (so the coefficients do not depend on depth)."""
     if not routings or routings[0].aux_loss is None:  # none, or computed without losses (inference)

@@ -23,7 +23,7 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses
+from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -247,7 +247,9 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             position_ids=position_ids,
         )
         # padding tokens are kept out of routing statistics and router losses (a 4D mask carries no such notion)
-        token_mask = attention_mask[:, -seq_len:] if attention_mask is not None and attention_mask.dim() == 2 else None
+        token_mask = routing_token_mask(
+            attention_mask[:, -seq_len:] if attention_mask is not None else None, compute_router_losses
+        )
 
         all_hidden, all_attn, routings = [], [], []
         for layer in self.layers:

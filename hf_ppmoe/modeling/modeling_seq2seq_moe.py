@@ -36,7 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses
+from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
 
 
@@ -352,7 +352,7 @@ class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask)
         S = inputs_embeds.shape[1]
         position_bias = self.position_bias(S, S, 0, inputs_embeds.device)
-        token_mask = attention_mask if attention_mask is not None and attention_mask.dim() == 2 else None
+        token_mask = routing_token_mask(attention_mask, compute_router_losses)
 
         hidden_states = self.dropout(inputs_embeds)
         all_hidden = [] if output_hidden_states else None
@@ -439,6 +439,7 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = attention_mask[:, -L:].bool()
             token_mask = attention_mask if token_mask is None else token_mask.bool() & attention_mask
+        token_mask = routing_token_mask(token_mask, compute_router_losses)
 
         hidden_states = self.dropout(inputs_embeds)
         all_hidden = [] if output_hidden_states else None

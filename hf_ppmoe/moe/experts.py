@@ -152,33 +152,38 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
 
 def _index_dispatch_few_routes(experts, x, expert_ids, weights):
     """`index_dispatch` for the handful of routes of a decoding step: routes sorted on host lists instead of on the
-    device; one or two routes (batch-1 decoding) run straight on their token's row, more run as two grouped matmuls on
-    CPU (bit-identical there), so the layer costs about ten tensor operations whatever the number of experts hit.
-    The order of routes, and so of the accumulation, is the one `index_dispatch` uses: by expert, then by flat route
-    index."""
+    device; one or two routes (batch-1 decoding) run straight on their token's row with the stored weights, more run
+    as two grouped matmuls on CPU (bit-identical there), so the layer costs a few tensor operations per route whatever
+    the number of experts. The order of routes, and so of the accumulation, is the one `index_dispatch` uses: by
+    expert, then by flat route index."""
     T, K = expert_ids.shape
     E = experts.num_experts
     ids, w = expert_ids.reshape(-1).tolist(), weights.reshape(-1).tolist()
     routes = sorted((e, r) for r, e in enumerate(ids) if e < E)
+    if _use_grouped_mm(x, len(routes)):
+        counts = [0] * E
+        for e, _ in routes:
+            counts[e] += 1
+        tokens = torch.tensor([r // K for _, r in routes], device=x.device)
+        scale = torch.tensor([w[r] for _, r in routes], dtype=x.dtype, device=x.device)
+        y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, *_parameters(experts, x.dtype))
+        return x.new_zeros(T, x.shape[-1]).index_add_(0, tokens, y * scale.unsqueeze(-1))
+    if T == 1:  # batch-1 decoding: no output buffer, the (at most two) routes are summed
+        ys = [_one_expert(experts, x, e).mul_(w[r]) for e, r in routes]
+        return ys[0].add_(ys[1]) if len(ys) == 2 else ys[0] if ys else x.new_zeros(1, x.shape[-1])
     out = x.new_zeros(T, x.shape[-1])
-    if not routes:
-        return out
-    w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
-    if not _use_grouped_mm(x, len(routes)):
-        for e, r in routes:
-            row = x[r // K : r // K + 1]
-            a = row @ w_in[e] if b_in is None else torch.addmm(b_in[e], row, w_in[e])
-            h = experts._activate(a)
-            y = h @ w_out[e] if b_out is None else torch.addmm(b_out[e], h, w_out[e])
-            out[r // K : r // K + 1].add_(y.mul_(w[r]))
-        return out
-    counts = [0] * E
-    for e, _ in routes:
-        counts[e] += 1
-    tokens = torch.tensor([r // K for _, r in routes], device=x.device)
-    scale = torch.tensor([w[r] for _, r in routes], dtype=x.dtype, device=x.device)
-    y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, w_in, b_in, w_out, b_out)
-    return out.index_add_(0, tokens, y * scale.unsqueeze(-1))
+    for e, r in routes:
+        t = r // K
+        out[t : t + 1].add_(_one_expert(experts, x[t : t + 1], e).mul_(w[r]))
+    return out
+
+
+def _one_expert(experts, x, e):
+    """Expert e on the rows x, straight from the stored (output-first) weights, in x's dtype."""
+    dtype = x.dtype
+    b_in, b_out = experts.in_proj_bias, experts.down_proj_bias if experts.has_bias else None
+    h = F.linear(x, experts.in_proj[e].to(dtype), None if b_in is None else b_in[e].to(dtype))
+    return F.linear(experts._activate(h), experts.down_proj[e].to(dtype), None if b_out is None else b_out[e].to(dtype))
 
 
 def _parameters(experts: Experts, dtype: torch.dtype):

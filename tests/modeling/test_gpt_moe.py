@@ -67,6 +67,34 @@ def test_aux_and_outputs_unchanged_by_padding(style):
     torch.testing.assert_close(b.z_loss, a.z_loss)
 
 
+def test_inference_routes_padding_nowhere_and_skips_a_mask_without_padding():
+    """Without router losses the model drops a mask that has no padding (one check per forward, not per layer); a
+    mask with padding still routes the padding nowhere, so it takes no expert capacity from real tokens."""
+    torch.manual_seed(0)
+    model = make_model(eval_capacity_factor=0.5)
+    ids = torch.randint(3, 97, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    calls = []
+    hook = model.model.layers[0].mlp.register_forward_hook(lambda module, args, out: calls.append((args[0], out[1])))
+    with torch.no_grad():
+        model(ids, attention_mask=mask)
+        full = model(ids, attention_mask=torch.ones_like(ids))
+        unmasked = model(ids)
+    hook.remove()
+    (h, routing), E = calls[0], model.config.num_experts
+    assert routing.aux_loss is None  # inference: no losses were computed
+    assert (routing.expert_ids.view(2, 7, -1)[0, :3] == E).all() and (routing.weights.view(2, 7, -1)[0, :3] == 0).all()
+    gate = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        masked = gate(h.view(14, -1), mask.view(-1).bool(), compute_losses=False)
+        routed_padding = gate(h.view(14, -1), None, compute_losses=False)
+    assert torch.equal(routing.expert_ids, masked.expert_ids)
+    real = mask.view(-1).bool()
+    assert not torch.equal(routed_padding.expert_ids[real], masked.expert_ids[real])  # padding would take slots
+    assert torch.equal(full.logits, unmasked.logits) and torch.equal(calls[1][1].expert_ids, calls[2][1].expert_ids)
+
+
 def test_loss_adds_router_losses_with_their_coefficients():
     model = make_model(router_aux_loss_coef=0.5, router_z_loss_coef=0.25)
     ids = torch.randint(3, 97, (2, 6))

@@ -114,18 +114,25 @@ def test_dropped_token_output_is_zero_and_gradient_free():
 
 
 @pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 40])
-def test_decoding_path_equals_training_path(tokens, mlp):
-    """Few routes without gradients take the host-grouped path; it must give the training path's numbers."""
-    config = tiny_gpt_config(num_experts=4, capacity_factor=0.5, eval_capacity_factor=0.5, **mlp)
+@pytest.mark.parametrize(
+    "tokens,k", [(1, 2), (1, 1), (2, 1), (3, 2), (8, 2), (40, 2)], ids=lambda v: str(v)
+)
+def test_decoding_path_equals_training_path(tokens, k, mlp):
+    """Few routes without gradients take the host-grouped path (one or two routes: per row from the stored weights;
+    more: grouped matmuls); it must give the training path's numbers, padding (no route at all) included."""
+    gate = dict(router_type="switch") if k == 1 else {}
+    config = tiny_gpt_config(num_experts=4, num_experts_per_tok=k, capacity_factor=0.5, eval_capacity_factor=0.5,
+                             **gate, **mlp)
     layer = MoELayer(config).eval()
     x = torch.randn(tokens, 32)
-    reference, routing = layer(x)  # gradients enabled: the sorted path
-    with torch.no_grad():
-        fast, _ = layer(x, compute_losses=False)
-    if tokens >= 8:
-        assert (routing.expert_ids == 4).any(), "the case should exercise dropped routes"
-    torch.testing.assert_close(fast, reference.detach(), atol=1e-6, rtol=1e-5)
+    for token_mask in (None, torch.arange(tokens) > 0):  # the second: the first token is padding
+        reference, routing = layer(x, token_mask)  # gradients enabled: the sorted path
+        with torch.no_grad():
+            fast, _ = layer(x, token_mask, compute_losses=False)
+        if tokens >= 8:
+            assert (routing.expert_ids == 4).any(), "the case should exercise dropped routes"
+        torch.testing.assert_close(fast, reference.detach(), atol=1e-6, rtol=1e-5)
+    assert (fast[0] == 0).all()
 
 
 @pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
