@@ -8,6 +8,9 @@ that same round; the reported number is the median of those per-round ratios (< 
 
 - dense: the same FFN with inner size k * f (equal active FLOPs to k experts of inner size f).
 - ours-index / ours-einsum: `hf_ppmoe.moe.MoELayer` with dispatch "index" (PPMoE) / "einsum" (GShard).
+- experts-only: the expert work of ours-index alone: the same per-expert blocks (this batch's routing, tokens already
+  grouped by expert) through the same kernel, without gate, sort, index_select and index_add. It is the floor of the
+  `index` layer on this machine: what the per-expert GEMMs cost against the dense FFN's large ones.
 - mixtral-eager / mixtral-grouped_mm: Transformers' MixtralSparseMoeBlock with that experts implementation.
 - switch-hf: Transformers' SwitchTransformersSparseMLP (top-1 only, ReLU experts, capacity = all tokens) against
   ours with the same plain ReLU experts ("ours-index-relu") and a ReLU dense FFN.
@@ -28,6 +31,7 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.moe import MLP, MoELayer
+from hf_ppmoe.moe.experts import _grouped_expert_mlp, _GroupedExpertMLP, _parameters
 
 
 def init_(module: nn.Module) -> nn.Module:
@@ -45,6 +49,24 @@ def ours(hidden, inner, E, k, dispatch, gated=True):
     )
     layer = MoELayer(config)
     return lambda x: layer(x)[0], layer
+
+
+def experts_only(layer: MoELayer, x: torch.Tensor):
+    """The experts of `layer` on x's tokens as its gate routes them, pre-grouped by expert (see the module docstring)."""
+    experts = layer.experts
+    with torch.no_grad():
+        flat = x.reshape(-1, x.shape[-1])
+        ids = layer.gate(flat).expert_ids.reshape(-1)
+        order = torch.argsort(ids, stable=True)
+        counts = torch.bincount(ids, minlength=experts.num_experts).tolist()
+        grouped = flat.index_select(0, order // layer.gate.top_k)
+
+    def run(_):
+        if torch.is_grad_enabled():
+            return _GroupedExpertMLP.apply(grouped.requires_grad_(True), counts, experts, *_parameters(experts, x.dtype))
+        return _grouped_expert_mlp(grouped, counts, experts, *_parameters(experts, x.dtype))[0]
+
+    return run, layer
 
 
 def dense(hidden, inner, gated=True):
@@ -87,10 +109,12 @@ def timed(fn, module, x, train: bool) -> float:
 def run_case(E, k, args):
     T, H, f = args.tokens, args.hidden, args.inner
     x = torch.randn(1, T, H)
+    ours_index = ours(H, f, E, k, "index")
     impls = {
         "dense": dense(H, k * f),
-        "ours-index": ours(H, f, E, k, "index"),
+        "ours-index": ours_index,
         "ours-einsum": ours(H, f, E, k, "einsum"),
+        "experts-only": experts_only(ours_index[1], x),
         "mixtral-eager": mixtral(H, f, E, k, "eager"),
         "mixtral-grouped_mm": mixtral(H, f, E, k, "grouped_mm"),
     }
