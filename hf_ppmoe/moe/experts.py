@@ -179,11 +179,13 @@ def _index_dispatch_few_routes(experts, x, expert_ids, weights):
 
 
 def _one_expert(experts, x, e):
-    """Expert e on the rows x, straight from the stored (output-first) weights, in x's dtype."""
-    dtype = x.dtype
-    b_in, b_out = experts.in_proj_bias, experts.down_proj_bias if experts.has_bias else None
-    h = F.linear(x, experts.in_proj[e].to(dtype), None if b_in is None else b_in[e].to(dtype))
-    return F.linear(experts._activate(h), experts.down_proj[e].to(dtype), None if b_out is None else b_out[e].to(dtype))
+    """Expert e on the rows x, straight from the stored (output-first) weights, cast to x's dtype where they differ."""
+    w_in, w_out = experts.in_proj[e], experts.down_proj[e]
+    b_in, b_out = (experts.in_proj_bias[e], experts.down_proj_bias[e]) if experts.has_bias else (None, None)
+    if w_in.dtype != x.dtype:  # autocast: only the experts in use are cast
+        w_in, w_out = w_in.to(x.dtype), w_out.to(x.dtype)
+        b_in, b_out = (None, None) if b_in is None else (b_in.to(x.dtype), b_out.to(x.dtype))
+    return F.linear(experts._activate(F.linear(x, w_in, b_in)), w_out, b_out)
 
 
 def _parameters(experts: Experts, dtype: torch.dtype):

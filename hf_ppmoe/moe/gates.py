@@ -9,7 +9,9 @@ capacity, losses and statistics the same way for every gate, so a gate of your o
     @register_gate("my_gate")
     class MyGate(Gate):
         def select(self, logits):   # logits [T, E] float32
-            ...                     # -> expert_ids [T, K], weights [T, K], probs [T, E], assignment [T, E]
+            ...                     # -> expert_ids [T, K], weights [T, K], probs [T, E]
+
+and, when the load-balancing loss should count routes other than "1/K for each route", `assignment`.
 
 Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
 `eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, and per gate `router_random_routing` (gshard)
@@ -76,8 +78,14 @@ class Gate(nn.Module):
 
     def select(self, logits: torch.Tensor):
         """logits [T, E] float32 -> expert_ids [T, K] (sentinel E for a route not taken), weights [T, K],
-        probs [T, E] (for the load-balancing loss), assignment [T, E] (each token's share of routes per expert)."""
+        probs [T, E] (for the load-balancing loss)."""
         raise NotImplementedError
+
+    def assignment(self, expert_ids: torch.Tensor) -> torch.Tensor:
+        """expert_ids [T, K] as `select` chose them (before padding and capacity) -> [T, E], each token's share of
+        routes per expert, the c_e of the load-balancing loss: 1/K for each route (a sentinel route counts for
+        nothing). Only computed with the losses."""
+        return _one_hot(expert_ids, self.num_experts + 1, torch.float32, 1.0 / expert_ids.shape[1]).sum(1)[:, :-1]
 
     def load_balancing_loss(self, probs, assignment, token_mask, group_size):
         return load_balancing_loss(probs, assignment, token_mask, group_size)
@@ -98,13 +106,15 @@ class Gate(nn.Module):
         if self.training and self.jitter_noise > 0:
             # multiplicative jitter (Switch Transformer) on a copy: the caller's tensor is never modified
             x = x * (1.0 - self.jitter_noise + 2.0 * self.jitter_noise * self._uniform(x.shape, x.device))
-        logits = F.linear(x.float(), self.weight.float())  # [T, E], routing in float32
-        expert_ids, weights, probs, assignment = self.select(logits)
+        weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
+        logits = F.linear(x if x.dtype == torch.float32 else x.float(), weight)  # [T, E], routing in float32
+        expert_ids, weights, probs = self.select(logits)
+        chosen = expert_ids
         if token_mask is not None:
             padding = ~token_mask.view(T, 1)
             expert_ids = expert_ids.masked_fill(padding, E)
             weights = weights.masked_fill(padding, 0.0)
-        chosen = expert_ids
+        routed = expert_ids
 
         group_size = group_size_for(T, self.num_groups)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
@@ -119,11 +129,11 @@ class Gate(nn.Module):
         if compute_losses:
             if token_mask is None:
                 token_mask = torch.ones(T, dtype=torch.bool, device=x.device)
-            routing.aux_loss = self.load_balancing_loss(probs, assignment, token_mask, group_size)
+            routing.aux_loss = self.load_balancing_loss(probs, self.assignment(chosen), token_mask, group_size)
             routing.z_loss = self.z_loss(logits, token_mask)
             with torch.no_grad():
                 routing.tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=E + 1)[:E]
-                num_chosen = (chosen < E).sum()
+                num_chosen = (routed < E).sum()
                 routing.dropped_fraction = (num_chosen - routing.tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
         return routing
 
@@ -150,7 +160,7 @@ class SwitchGate(Gate):
     def select(self, logits):
         probs = logits.softmax(dim=-1)
         weight, expert = probs.max(dim=-1, keepdim=True)
-        return expert, weight, probs, _one_hot(expert[:, 0], self.num_experts, probs.dtype)
+        return expert, weight, probs
 
 
 @register_gate("topk")
@@ -166,9 +176,7 @@ class TopKGate(Gate):
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        # each token's share of routes per expert (top-k ids are distinct): one scatter of 1/k per route
-        assignment = probs.new_zeros(probs.shape).scatter_(1, experts, 1.0 / self.top_k)
-        return experts, weights, probs, assignment
+        return experts, weights, probs
 
 
 @register_gate("gshard")
@@ -203,7 +211,11 @@ class GShardGate(Gate):
             experts = experts.clone()
             experts[:, 1] = experts[:, 1].masked_fill(skip, self.num_experts)
             gates = torch.stack([gates[:, 0], gates[:, 1].masked_fill(skip, 0.0)], dim=1)
-        return experts, gates, probs, _one_hot(experts[:, 0], self.num_experts, probs.dtype)
+        return experts, gates, probs
+
+    def assignment(self, expert_ids):
+        # first choices only, as the class docstring says
+        return _one_hot(expert_ids[:, 0], self.num_experts, torch.float32)
 
 
 @register_gate("prototype")
@@ -231,8 +243,11 @@ class PrototypeGate(Gate):
         probs = logits.view(T, Z, Fp).softmax(dim=-1)  # one softmax per prototype
         weights, local = probs.max(dim=-1)  # [T, Z]
         experts = local + torch.arange(Z, device=logits.device) * Fp
-        assignment = _one_hot(local, Fp, probs.dtype)  # [T, Z, F]
-        return experts, weights, probs.view(T, Z * Fp), assignment.view(T, Z * Fp)
+        return experts, weights, probs.view(T, Z * Fp)
+
+    def assignment(self, expert_ids):
+        # one route per prototype: a one-hot over each prototype's F experts
+        return torch.zeros(expert_ids.shape[0], self.num_experts, device=expert_ids.device).scatter_(1, expert_ids, 1.0)
 
     def load_balancing_loss(self, probs, assignment, token_mask, group_size):
         T, Z, Fp = probs.shape[0], self.num_prototypes, self.experts_per_prototype

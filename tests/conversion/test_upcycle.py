@@ -175,7 +175,7 @@ def test_expert_output_scale_rejects_gates_without_a_constant_sum(monkeypatch):
             ids = torch.zeros(T, 1, dtype=torch.long)
             weights = (torch.arange(T) == 0).float().unsqueeze(1)
             probs = logits.softmax(-1)
-            return ids, weights, probs, probs
+            return ids, weights, probs
 
     monkeypatch.setitem(GATES, "test-first-token-only", FirstTokenOnly)  # registered for this test only
     with pytest.raises(ValueError, match="one positive constant per token"):

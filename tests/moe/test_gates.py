@@ -218,7 +218,7 @@ def test_registry_custom_gate_and_unknown_name():
         def select(self, logits):
             T = logits.shape[0]
             ids = torch.zeros(T, self.top_k, dtype=torch.long)
-            return ids, torch.ones(T, self.top_k), logits.softmax(-1), torch.nn.functional.one_hot(ids[:, 0], self.num_experts).float()
+            return ids, torch.ones(T, self.top_k), logits.softmax(-1)
 
     try:
         layer = MoELayer(tiny_gpt_config(router_type="first_expert", num_experts_per_tok=1))
@@ -230,3 +230,20 @@ def test_registry_custom_gate_and_unknown_name():
         get_gate_class("nope")
     with pytest.raises(TypeError):
         register_gate("bad")(object)
+
+
+@pytest.mark.parametrize(
+    "router_type,ids,expected",
+    [
+        # default: 1/k per route, a sentinel route (4) counts for nothing
+        ("topk", [[0, 1], [2, 4]], [[0.5, 0.5, 0, 0], [0, 0, 0.5, 0]]),
+        # GShard: first choices only (c_e counts tokens whose top-1 is e)
+        ("gshard", [[1, 3], [2, 4]], [[0, 1, 0, 0], [0, 0, 1, 0]]),
+        # M6-T: one route per prototype, a one-hot within each prototype's experts
+        ("prototype", [[1, 2], [0, 3]], [[0, 1, 1, 0], [1, 0, 0, 1]]),
+    ],
+)
+def test_assignment_counts_routes_as_each_gate_defines(router_type, ids, expected):
+    """The c_e of the load-balancing loss, hand-worked (4 experts, 2 routes per token)."""
+    gate = make_gate(router_type, num_experts=4, top_k=2)
+    assert torch.equal(gate.assignment(torch.tensor(ids)), torch.tensor(expected, dtype=torch.float32))
