@@ -16,6 +16,17 @@ SAMPLE_TEXTS = [
 ]
 
 
+# gate settings for upcycling tests; the comments give each gate's sum of combine weights at init, 1 / that is the
+# expert output scale that keeps an upcycled model equal to its dense source
+GATES = {
+    "topk": dict(router_type="topk"),
+    "topk-unnormalized": dict(router_type="topk", norm_topk_prob=False),  # weights sum to K/E = 1/2
+    "switch": dict(router_type="switch"),  # 1/E = 1/4
+    "gshard": dict(router_type="gshard", capacity_factor=1.25),  # capacity in training only: evaluation is dropless
+    "prototype": dict(router_type="prototype", num_experts_per_tok=4, num_experts=8),  # 4 prototypes: 4 * 1/2 = 2
+}
+
+
 @functools.cache
 def tokenizer():
     return train_tokenizer(builtin_corpus()[:40], vocab_size=300)

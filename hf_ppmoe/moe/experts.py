@@ -168,9 +168,6 @@ def _index_dispatch_few_routes(experts, x, expert_ids, weights):
         scale = torch.tensor([w[r] for _, r in routes], dtype=x.dtype, device=x.device)
         y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, *_parameters(experts, x.dtype))
         return x.new_zeros(T, x.shape[-1]).index_add_(0, tokens, y * scale.unsqueeze(-1))
-    if T == 1:  # batch-1 decoding: no output buffer, the (at most two) routes are summed
-        ys = [_one_expert(experts, x, e).mul_(w[r]) for e, r in routes]
-        return ys[0].add_(ys[1]) if len(ys) == 2 else ys[0] if ys else x.new_zeros(1, x.shape[-1])
     out = x.new_zeros(T, x.shape[-1])
     for e, r in routes:
         t = r // K

@@ -106,15 +106,14 @@ class Gate(nn.Module):
         if self.training and self.jitter_noise > 0:
             # multiplicative jitter (Switch Transformer) on a copy: the caller's tensor is never modified
             x = x * (1.0 - self.jitter_noise + 2.0 * self.jitter_noise * self._uniform(x.shape, x.device))
-        weight = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
-        logits = F.linear(x if x.dtype == torch.float32 else x.float(), weight)  # [T, E], routing in float32
+        logits = F.linear(x.float(), self.weight.float())  # [T, E], routing in float32
         expert_ids, weights, probs = self.select(logits)
-        chosen = expert_ids
+        selected = expert_ids
         if token_mask is not None:
             padding = ~token_mask.view(T, 1)
             expert_ids = expert_ids.masked_fill(padding, E)
             weights = weights.masked_fill(padding, 0.0)
-        routed = expert_ids
+        chosen = expert_ids
 
         group_size = group_size_for(T, self.num_groups)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
@@ -129,11 +128,11 @@ class Gate(nn.Module):
         if compute_losses:
             if token_mask is None:
                 token_mask = torch.ones(T, dtype=torch.bool, device=x.device)
-            routing.aux_loss = self.load_balancing_loss(probs, self.assignment(chosen), token_mask, group_size)
+            routing.aux_loss = self.load_balancing_loss(probs, self.assignment(selected), token_mask, group_size)
             routing.z_loss = self.z_loss(logits, token_mask)
             with torch.no_grad():
                 routing.tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=E + 1)[:E]
-                num_chosen = (routed < E).sum()
+                num_chosen = (chosen < E).sum()
                 routing.dropped_fraction = (num_chosen - routing.tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
         return routing
 

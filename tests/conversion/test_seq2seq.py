@@ -7,6 +7,7 @@ import warnings
 import pytest
 import torch
 from converters import (
+    GATES,
     SAMPLE_TEXTS,
     assert_same_seq2seq_outputs,
     read_tensors,
@@ -20,13 +21,6 @@ from hf_ppmoe import Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.conversion import ConversionError, import_moe, merge_experts, upcycle
 
 VERSIONS = ["t5-v1.0", "t5-v1.1"]
-GATES = {
-    "topk": dict(router_type="topk"),
-    "topk-unnormalized": dict(router_type="topk", norm_topk_prob=False),  # weights sum to K/E = 1/2
-    "switch": dict(router_type="switch"),  # 1/E = 1/4
-    "gshard": dict(router_type="gshard", capacity_factor=1.25),  # capacity in training only: evaluation is dropless
-    "prototype": dict(router_type="prototype", num_experts_per_tok=4, num_experts=8),  # 4 prototypes: 4 * 1/2 = 2
-}
 
 
 def _moe_layers(model):

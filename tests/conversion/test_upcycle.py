@@ -5,20 +5,13 @@ import warnings
 
 import pytest
 import torch
-from converters import SAMPLE_TEXTS, assert_same_outputs, input_ids, read_tensors, tokenizer
+from converters import GATES, SAMPLE_TEXTS, assert_same_outputs, input_ids, read_tensors, tokenizer
 from transformers import AutoTokenizer, GenerationConfig
 
 from hf_ppmoe import GPTMoEForCausalLM
 from hf_ppmoe.conversion import expert_output_scale, gate_renormalizes, upcycle
 
 ARCHS = ["gpt2", "llama", "mistral", "qwen2"]
-GATES = {
-    "topk": dict(router_type="topk"),
-    "topk-unnormalized": dict(router_type="topk", norm_topk_prob=False),  # weights sum to K/E = 1/2
-    "switch": dict(router_type="switch"),  # 1/E = 1/4
-    "gshard": dict(router_type="gshard", capacity_factor=1.25),  # capacity in training only: evaluation is dropless
-    "prototype": dict(router_type="prototype", num_experts_per_tok=4, num_experts=8),  # 4 prototypes: 4 * 1/2 = 2
-}
 
 
 @pytest.mark.parametrize("gate", GATES)

@@ -10,6 +10,7 @@ from helpers import GPT2_STYLE, tiny_gpt_config
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, pipeline
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
+from hf_ppmoe.modeling.common import routing_token_mask
 
 STYLES = {"llama": dict(), "gpt2": GPT2_STYLE}
 GATES = {
@@ -93,6 +94,11 @@ def test_inference_routes_padding_nowhere_and_skips_a_mask_without_padding():
     real = mask.view(-1).bool()
     assert not torch.equal(routed_padding.expert_ids[real], masked.expert_ids[real])  # padding would take slots
     assert torch.equal(full.logits, unmasked.logits) and torch.equal(calls[1][1].expert_ids, calls[2][1].expert_ids)
+    # the skip itself: only inference drops a mask, and only one without padding
+    ones = torch.ones_like(ids)
+    assert routing_token_mask(ones, compute_router_losses=False) is None
+    assert routing_token_mask(ones, compute_router_losses=True) is ones
+    assert routing_token_mask(mask, compute_router_losses=False) is mask
 
 
 def test_loss_adds_router_losses_with_their_coefficients():

@@ -244,6 +244,17 @@ def save_after_parallelize():
     return results
 
 
+def collectives_of(run) -> dict:
+    """[op, bytes] of every collective in run()'s forward and in the backward of its output's squared sum."""
+    with count_collectives() as comm:
+        y = run()
+        comm.mark("backward")
+        y.square().sum().backward()
+    split = comm.marks["backward"]
+    return {"forward": [[c.op, c.bytes] for c in comm.calls[:split]],
+            "backward": [[c.op, c.bytes] for c in comm.calls[split:]]}
+
+
 @job("two")
 def communication_per_layer():
     """Collectives and bytes of one layer's forward and backward, per module: attention, dense FFN, MoE layer."""
@@ -260,15 +271,7 @@ def communication_per_layer():
             "moe_layer": lambda: moe.mlp(x)[0],
         }
         for name, run in runs.items():
-            with count_collectives() as comm:
-                y = run()
-                comm.mark("backward")
-                y.square().sum().backward()
-            split = comm.marks["backward"]
-            results[f"{style_name}/{name}"] = {
-                "forward": [[c.op, c.bytes] for c in comm.calls[:split]],
-                "backward": [[c.op, c.bytes] for c in comm.calls[split:]],
-            }
+            results[f"{style_name}/{name}"] = collectives_of(run)
     # the encoder-decoder's attention: the relative position bias looked up on this rank's heads (no communication),
     # cross-attention to an encoder output of S = 2 * 12 tokens
     model = parallelize(build(seq2seq=True), dist.group.WORLD)
@@ -281,15 +284,7 @@ def communication_per_layer():
         "cross_attention": lambda: decoder.layers[0].cross_attn(x, attention_mask=None, key_value_states=encoder_out)[0],
     }
     for name, run in runs.items():
-        with count_collectives() as comm:
-            y = run()
-            comm.mark("backward")
-            y.square().sum().backward()
-        split = comm.marks["backward"]
-        results[f"seq2seq/{name}"] = {
-            "forward": [[c.op, c.bytes] for c in comm.calls[:split]],
-            "backward": [[c.op, c.bytes] for c in comm.calls[split:]],
-        }
+        results[f"seq2seq/{name}"] = collectives_of(run)
     results["sizes"] = {"T": T, "S": 2 * 12, "H": H, "E": 4, "bytes_per_element": 4}
     return results
 
