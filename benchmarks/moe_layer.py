@@ -8,13 +8,14 @@ that same round; the reported number is the median of those per-round ratios (< 
 
 - dense: the same FFN with inner size k * f (equal active FLOPs to k experts of inner size f).
 - ours-index / ours-einsum: `hf_ppmoe.moe.MoELayer` with dispatch "index" (PPMoE) / "einsum" (GShard).
-- experts-only: the expert work of ours-index alone: the same per-expert blocks (this batch's routing, tokens already
-  grouped by expert) through the same kernel, without gate, sort, index_select and index_add. It is the floor of the
+- experts-only: the expert work of ours-index alone: the same grouped GEMMs (this batch's routing, tokens already
+  grouped by expert), without gate, sort, gather, weighting and scatter. It is the floor of the
   `index` layer on this machine: what the per-expert GEMMs cost against the dense FFN's large ones.
 - mixtral-eager / mixtral-grouped_mm: Transformers' MixtralSparseMoeBlock with that experts implementation.
 - switch-hf: Transformers' SwitchTransformersSparseMLP (top-1 only, ReLU experts, capacity = all tokens) against
   ours with the same plain ReLU experts ("ours-index-relu") and a ReLU dense FFN.
 Gated (SwiGLU) experts everywhere else. All routing is dropless, float32.
+First line printed: operators per MoE layer (forward+backward, torch.profiler) for E = 8, 32, 128.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.moe import MLP, MoELayer
-from hf_ppmoe.moe.experts import _grouped_expert_mlp, _GroupedExpertMLP, _parameters
+from hf_ppmoe.moe.experts import _parameters, grouped_mm
 
 
 def init_(module: nn.Module) -> nn.Module:
@@ -57,16 +58,27 @@ def experts_only(layer: MoELayer, x: torch.Tensor):
     with torch.no_grad():
         flat = x.reshape(-1, x.shape[-1])
         ids = layer.gate(flat).expert_ids.reshape(-1)
-        order = torch.argsort(ids, stable=True)
-        counts = torch.bincount(ids, minlength=experts.num_experts).tolist()
+        sorted_ids, order = torch.sort(ids, stable=True)
+        offsets = torch.bincount(ids, minlength=experts.num_experts).cumsum(0).to(torch.int32)
         grouped = flat.index_select(0, order // layer.gate.top_k)
 
     def run(_):
-        if torch.is_grad_enabled():
-            return _GroupedExpertMLP.apply(grouped.requires_grad_(True), counts, experts, *_parameters(experts, x.dtype))
-        return _grouped_expert_mlp(grouped, counts, experts, *_parameters(experts, x.dtype))[0]
+        w_in, _b, w_out, _b = _parameters(experts, x.dtype)
+        g = grouped.requires_grad_(torch.is_grad_enabled())
+        return grouped_mm(experts._activate(grouped_mm(g, w_in, offsets)), w_out, offsets)
 
     return run, layer
+
+
+def operators_per_layer(E: int, k: int, args) -> int:
+    """Top-level aten operators one forward+backward of our index layer issues (torch.profiler): on a GPU each is at
+    least one kernel launch. Device-independent; constant in E when no part of the layer loops over experts."""
+    fn, layer = ours(args.hidden, args.inner, E, k, "index")
+    x = torch.randn(1, 256, args.hidden, requires_grad=True)
+    fn(x).sum().backward()  # warm-up
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(x).sum().backward()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.cpu_parent is None)
 
 
 def dense(hidden, inner, gated=True):
@@ -146,12 +158,15 @@ def main():
     parser.add_argument("--experts", type=int, nargs="+", default=[8, 32])
     parser.add_argument("--topk", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--op_count_experts", type=int, nargs="+", default=[8, 32, 128])
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"T={args.tokens} H={args.hidden} f={args.inner} float32 threads={args.threads} rounds={args.rounds}; "
           "median per-round time ratio vs the dense FFN of equal active FLOPs (switch rows: vs ReLU dense)")
+    print("operators per layer (forward+backward, top-level aten): " + ", ".join(
+        f"E={E} k={k}: {operators_per_layer(E, k, args)}" for E in args.op_count_experts for k in args.topk))
     names = None
     for E in args.experts:
         for k in args.topk:

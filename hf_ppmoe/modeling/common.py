@@ -52,10 +52,16 @@ def build_norm(norm_type: str, hidden_size: int, eps: float) -> nn.Module:
 def routing_token_mask(attention_mask: torch.Tensor | None, compute_router_losses: bool) -> torch.Tensor | None:
     """The padding mask the MoE layers route with: a 2D attention mask [B, S] (0 for padding), or None for no
     padding. In inference a mask without padding (every decoding step of `generate`) becomes None, checked once per
-    forward, so that no MoE layer spends operators on it; training keeps the mask and never waits for the device."""
+    forward, so that no MoE layer spends operators on it. The check reads the mask on the host, so it is made only on
+    CPU in eager mode: training, GPUs and torch.compile keep the mask (same numbers) and never wait for the device."""
     if attention_mask is None or attention_mask.dim() != 2:
         return None
-    if not compute_router_losses and bool(attention_mask.all()):
+    if (
+        not compute_router_losses
+        and attention_mask.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and bool(attention_mask.all())
+    ):
         return None
     return attention_mask
 

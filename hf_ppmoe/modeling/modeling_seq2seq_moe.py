@@ -435,7 +435,9 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
             attention_mask=encoder_attention_mask,
             encoder_hidden_states=encoder_hidden_states,
         )
-        position_bias = self.position_bias(L, P + L, P, inputs_embeds.device)
+        # keys: the cache's length after this step; a static cache always attends over its whole (masked) buffer
+        K = self_cache.get_mask_sizes(L, 0)[0] if self_cache is not None and len(self_cache.layers) else P + L
+        position_bias = self.position_bias(L, K, P, inputs_embeds.device)
         if attention_mask is not None and attention_mask.dim() == 2:
             attention_mask = attention_mask[:, -L:].bool()
             token_mask = attention_mask if token_mask is None else token_mask.bool() & attention_mask

@@ -116,62 +116,58 @@ class Experts(nn.Module):
         return ALL_EXPERTS_FUNCTIONS[self.dispatch](self, hidden_states, expert_ids, weights)
 
 
-# below this many routes (decoding), routes are grouped in Python instead of sorted on the device
-SMALL_BATCH_ROUTES = 64
-
-
 def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """PPMoE Algorithm 1: index_select each expert's tokens, run the expert, write back into a zero tensor."""
+    """PPMoE Algorithm 1 on the device with static shapes: sort the T*K routes by expert once (sentinel routes sort
+    last), gather every route's token row with `index_select`, run all experts as two grouped GEMMs over the sorted
+    rows with device-side offsets, weight, and put each route's output back in token order to sum over its K routes.
+
+    Nothing leaves the device and no shape depends on the routing, so a training step makes no host sync and
+    `torch.compile` traces the layer as one graph; the number of operators does not grow with E. Sentinel rows (dropped,
+    padding or off-rank routes) are computed on zeros past the last offset and masked out, never removed."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
-        # the experts run in autocast's dtype, as nn.Linear layers would; done by hand because the kernels below write
-        # into preallocated buffers and run a custom autograd Function, which autocast does not reach into
+        # the experts run in autocast's dtype, as nn.Linear layers would; done by hand because grouped GEMMs are not
+        # autocast operators
         with torch.autocast(device, enabled=False):
             return index_dispatch(experts, x.to(torch.get_autocast_dtype(device)), expert_ids, weights)
     T, K = expert_ids.shape
-    if T * K <= SMALL_BATCH_ROUTES and not torch.is_grad_enabled():
-        return _index_dispatch_few_routes(experts, x, expert_ids, weights)
+    if T * K <= 2 and device == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        return _few_routes_on_cpu(experts, x, expert_ids, weights)
     E = experts.num_experts
-    flat_ids = expert_ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)  # routes grouped by expert, sentinels last
-    counts = torch.bincount(flat_ids, minlength=E + 1)[:E].tolist()  # the one host sync of the layer
-    routed = sum(counts)
-    if routed == 0:
-        return x.new_zeros(T, x.shape[-1])
-    order = order[:routed]
-    token_idx = order // K if K > 1 else order
-    x_routed = x.index_select(0, token_idx)  # [N, H], contiguous per expert
-    args = (x_routed, counts, experts, *_parameters(experts, x.dtype))
-    if torch.is_grad_enabled():
-        y = _GroupedExpertMLP.apply(*args)
-    else:
-        y = _grouped_expert_mlp(*args)[0]
-    y = y * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
-    return x.new_zeros(T, x.shape[-1]).index_add_(0, token_idx, y)
+    sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)  # [T*K], by expert then route; sentinels last
+    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids, dtype=torch.int32))
+    offsets = counts[:E].cumsum(0, dtype=torch.int32)  # end row of each expert's block
+    valid = (sorted_ids < E).unsqueeze(-1)  # [T*K, 1]
+    # sentinel rows are zeroed before the GEMMs: their gradient, which the kernels leave undefined, stops here
+    x_routed = x.index_select(0, order // K).masked_fill(~valid, 0.0)  # [T*K, H]
+    w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
+    rows_expert = sorted_ids.clamp(max=E - 1)
+    h = grouped_mm(x_routed, w_in, offsets)
+    if b_in is not None:  # masked: the undefined gradients of sentinel rows must not reach expert E-1's bias
+        h = h + torch.where(valid, b_in.index_select(0, rows_expert), 0.0)
+    y = grouped_mm(experts._activate(h), w_out, offsets)
+    if b_out is not None:
+        y = y + b_out.index_select(0, rows_expert)
+    # masked with where before the weighting: rows past the last offset are not computed by the kernel and may hold
+    # NaN, which a multiplication by 0 would keep (in the output, and in the routing weights' gradient)
+    y = torch.where(valid, y, 0.0) * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
+    # back to route order (a permutation: no atomics, deterministic), then each token's K routes summed
+    y = torch.empty_like(y).index_copy_(0, order, y)
+    return y.view(T, K, -1).sum(dim=1)
 
 
-def _index_dispatch_few_routes(experts, x, expert_ids, weights):
-    """`index_dispatch` for the handful of routes of a decoding step: routes sorted on host lists instead of on the
-    device; one or two routes (batch-1 decoding) run straight on their token's row with the stored weights, more run
-    as two grouped matmuls on CPU (bit-identical there), so the layer costs a few tensor operations per route whatever
-    the number of experts. The order of routes, and so of the accumulation, is the one `index_dispatch` uses: by
-    expert, then by flat route index."""
+def _few_routes_on_cpu(experts, x, expert_ids, weights):
+    """One or two routes (batch-1 decoding on CPU, eager only): each runs straight on its token's row with the stored
+    weights, a handful of operators whatever E is. Reading two ids on the host costs nothing on a CPU; on a GPU, and
+    under torch.compile, decoding takes the device path above (no sync, CUDA-graph friendly)."""
     T, K = expert_ids.shape
     E = experts.num_experts
-    ids, w = expert_ids.reshape(-1).tolist(), weights.reshape(-1).tolist()
-    routes = sorted((e, r) for r, e in enumerate(ids) if e < E)
-    if _use_grouped_mm(x, len(routes)):
-        counts = [0] * E
-        for e, _ in routes:
-            counts[e] += 1
-        tokens = torch.tensor([r // K for _, r in routes], device=x.device)
-        scale = torch.tensor([w[r] for _, r in routes], dtype=x.dtype, device=x.device)
-        y = _grouped_mm_expert_mlp(x.index_select(0, tokens), counts, experts, *_parameters(experts, x.dtype))
-        return x.new_zeros(T, x.shape[-1]).index_add_(0, tokens, y * scale.unsqueeze(-1))
     out = x.new_zeros(T, x.shape[-1])
-    for e, r in routes:
-        t = r // K
-        out[t : t + 1].add_(_one_expert(experts, x[t : t + 1], e).mul_(w[r]))
+    for r, (e, w) in enumerate(zip(expert_ids.reshape(-1).tolist(), weights.reshape(-1).tolist())):
+        if e < E:
+            t = r // K
+            out[t : t + 1].add_(_one_expert(experts, x[t : t + 1], e).mul_(w))
     return out
 
 
@@ -192,109 +188,91 @@ def _parameters(experts: Experts, dtype: torch.dtype):
     return w_in, None if b_in is None else b_in.to(dtype), w_out, None if b_out is None else b_out.to(dtype)
 
 
-def _use_grouped_mm(x: torch.Tensor, routes: int) -> bool:
-    # torch's CPU grouped_mm runs the same per-group GEMMs as our loop (equal results, measured) in one operator,
-    # which pays off from a few routes on (batch-1 top-2 decoding is faster with the loop); on GPUs its dtype and
-    # architecture requirements vary, so the loop stays there
-    return routes > 2 and x.device.type == "cpu" and hasattr(F, "grouped_mm")
+# ---- grouped GEMM: torch's kernel where it runs, else one opaque per-expert loop ----
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _grouped_mm_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out):
-    offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
-    a = F.grouped_mm(x, w_in, offs=offsets)
-    rows = torch.repeat_interleave(torch.arange(len(counts), device=x.device), torch.tensor(counts, device=x.device))
-    if b_in is not None:
-        a = a + b_in.index_select(0, rows)
-    y = F.grouped_mm(experts._activate(a), w_out, offs=offsets)
-    if b_out is not None:
-        y = y + b_out.index_select(0, rows)
+def grouped_kernel_available(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `torch.nn.functional.grouped_mm` runs `x [N, in] @ w [E, in, out]` here: the torch build has it, the
+    dtype is one it takes (float32/bfloat16/float16; under torch.compile only bfloat16, the one its meta kernel
+    accepts), both matrix dimensions are multiples of 16 bytes (its stride rule), and on CUDA the GPU is sm80 or newer.
+    Decided from shapes, dtypes and the device alone, never by trying."""
+    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
+        return False
+    if torch.compiler.is_compiling():
+        if x.dtype != torch.bfloat16:
+            return False
+    elif x.dtype not in _KERNEL_DTYPES:
+        return False
+    itemsize = x.element_size()
+    if (w.shape[1] * itemsize) % 16 or (w.shape[2] * itemsize) % 16:
+        return False
+    if x.device.type == "cuda":
+        return torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return x.device.type == "cpu"
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ w[e] for the contiguous row blocks ending at `offsets` (int32 [E]). Rows past
+    `offsets[-1]` are left undefined (the caller masks them). x [N, in], w [E, in, out] (any strides) -> [N, out]."""
+    if grouped_kernel_available(x, w):
+        return F.grouped_mm(x.contiguous() if x.stride(-1) != 1 else x, w, offs=offsets)
+    return torch.ops.hf_ppmoe.grouped_mm_loop(x, w, offsets)
+
+
+# The fallback is a custom operator so that torch.compile sees one opaque node (no graph break) while it reads the
+# offsets on the host; it is the path for float64, sizes the kernel's alignment rule refuses, and non-bfloat16 models
+# under torch.compile. Its backward is a custom operator too, so autograd never looks inside the loop.
+
+
+@torch.library.custom_op("hf_ppmoe::grouped_mm_loop", mutates_args=())
+def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    y = x.new_zeros(x.shape[0], w.shape[2])
+    start = 0
+    for e, end in enumerate(offsets.tolist()):  # one host read of E offsets per call
+        if end > start:
+            torch.mm(x[start:end], w[e], out=y[start:end])
+        start = end
     return y
 
 
-def _grouped_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out):
-    """y[rows_e] = down_e(act(in_e(x[rows_e]))) for the contiguous row blocks of each expert.
+@_grouped_mm_loop.register_fake
+def _(x, w, offsets):
+    return x.new_empty(x.shape[0], w.shape[2])
 
-    Returns y [N, H] and each expert's pre-activations [n_e, 2I or I] (kept for the backward pass). The
-    pre-activations are allocated per expert rather than as rows of one [N, 2I] buffer: on CPU a fresh buffer that
-    large comes from mmap and every page faults on first write (measured: 20-30% of the up-projection), while
-    per-expert blocks are reused from the heap."""
-    pre_activations = []
-    y = x.new_empty(x.shape[0], w_out.shape[2])
+
+@torch.library.custom_op("hf_ppmoe::grouped_mm_loop_backward", mutates_args=())
+def _grouped_mm_loop_backward(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
     start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        rows = slice(start, start + n)
-        start += n
-        a = x[rows] @ w_in[e] if b_in is None else torch.addmm(b_in[e], x[rows], w_in[e])
-        pre_activations.append(a)
-        _linear_into(y[rows], experts._activate(a), w_out[e], None if b_out is None else b_out[e])
-    return y, pre_activations
+    for e, end in enumerate(offsets.tolist()):
+        if end > start:
+            torch.mm(grad[start:end], w[e].t(), out=grad_x[start:end])
+            torch.mm(x[start:end].t(), grad[start:end], out=grad_w[e])
+        start = end
+    return grad_x, grad_w
 
 
-def _linear_into(out, x, weight, bias):
-    """out = x @ weight (+ bias), weight [in, out]."""
-    if bias is None:
-        torch.mm(x, weight, out=out)
-    else:
-        torch.addmm(bias, x, weight, out=out)
+@_grouped_mm_loop_backward.register_fake
+def _(x, w, offsets, grad):
+    return torch.empty_like(x), torch.empty_like(w)
 
 
-class _GroupedExpertMLP(torch.autograd.Function):
-    """The expert loop of `index_dispatch` with a hand-written backward.
+def _grouped_mm_loop_setup(ctx, inputs, output):
+    x, w, offsets = inputs
+    ctx.save_for_backward(x, w, offsets)
 
-    Autograd over per-expert weight slices would allocate one full-size gradient per expert and stack them; here each
-    expert's weight gradient is written straight into its slice of one [E, ...] buffer. The activation is recomputed
-    from the saved pre-activation in backward (elementwise, cheap), so memory matches plain autograd.
-    """
 
-    @staticmethod
-    def forward(ctx, x, counts, experts, w_in, b_in, w_out, b_out):
-        y, pre_activations = _grouped_expert_mlp(x, counts, experts, w_in, b_in, w_out, b_out)
-        ctx.save_for_backward(x, w_in, w_out, *pre_activations)
-        ctx.counts, ctx.experts, ctx.has_bias = counts, experts, b_in is not None
-        return y
+def _grouped_mm_loop_grad(ctx, grad):
+    x, w, offsets = ctx.saved_tensors
+    grad_x, grad_w = torch.ops.hf_ppmoe.grouped_mm_loop_backward(x, w, offsets, grad.contiguous())
+    return grad_x, grad_w, None
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, w_in, w_out, *pre_activations = ctx.saved_tensors
-        counts, experts = ctx.counts, ctx.experts
-        pre_activations = iter(pre_activations)
-        need_x, _, _, need_w_in, need_b_in, need_w_out, need_b_out = ctx.needs_input_grad
-        grad_x = torch.empty_like(x) if need_x else None
-        grad_w_in, grad_w_out = torch.empty_like(w_in), torch.empty_like(w_out)
-        grad_b_in = w_in.new_empty(w_in.shape[0], w_in.shape[2]) if ctx.has_bias else None
-        grad_b_out = w_out.new_empty(w_out.shape[0], w_out.shape[2]) if ctx.has_bias else None
-        start = 0
-        for e, n in enumerate(counts):
-            if n == 0:
-                for g in (grad_w_in, grad_w_out, grad_b_in, grad_b_out):
-                    if g is not None:
-                        g[e].zero_()
-                continue
-            rows = slice(start, start + n)
-            start += n
-            with torch.enable_grad():
-                a_e = next(pre_activations).detach().requires_grad_(True)
-                h = experts._activate(a_e)
-            g_y = grad_y[rows]
-            torch.mm(h.detach().t(), g_y, out=grad_w_out[e])
-            (grad_a,) = torch.autograd.grad(h, a_e, g_y @ w_out[e].t())
-            torch.mm(x[rows].t(), grad_a, out=grad_w_in[e])
-            if ctx.has_bias:
-                torch.sum(g_y, dim=0, out=grad_b_out[e])
-                torch.sum(grad_a, dim=0, out=grad_b_in[e])
-            if need_x:
-                torch.mm(grad_a, w_in[e].t(), out=grad_x[rows])
-        return (
-            grad_x,
-            None,
-            None,
-            grad_w_in if need_w_in else None,
-            grad_b_in if need_b_in else None,
-            grad_w_out if need_w_out else None,
-            grad_b_out if need_b_out else None,
-        )
+
+_grouped_mm_loop.register_autograd(_grouped_mm_loop_grad, setup_context=_grouped_mm_loop_setup)
 
 
 def einsum_dispatch(
@@ -318,7 +296,10 @@ def einsum_dispatch(
     positions = positions_in_expert(expert_ids, E, S)  # [T, K]
     routed = expert_ids < E
     if capacity is None:
-        capacity = int(positions.masked_fill(~routed, -1).max().item()) + 1 if bool(routed.any()) else 1
+        if x.device.type == "cpu" and not torch.compiler.is_compiling():
+            capacity = int(positions.masked_fill(~routed, -1).max().item()) + 1 if bool(routed.any()) else 1
+        else:  # no host read: an expert takes each token of a group at most once, so S slots always suffice
+            capacity = S
     # [T, K, E] x [T, K, C] -> [T, E, C]; sentinel routes have an all-zero expert one-hot
     expert_1h = F.one_hot(expert_ids, E + 1)[..., :E].to(x.dtype)
     slot_1h = F.one_hot(positions.clamp(0, capacity - 1), capacity).to(x.dtype) * routed.unsqueeze(-1)

@@ -131,7 +131,7 @@ class Gate(nn.Module):
             routing.aux_loss = self.load_balancing_loss(probs, self.assignment(selected), token_mask, group_size)
             routing.z_loss = self.z_loss(logits, token_mask)
             with torch.no_grad():
-                routing.tokens_per_expert = torch.bincount(expert_ids.flatten(), minlength=E + 1)[:E]
+                routing.tokens_per_expert = _one_hot(expert_ids.flatten(), E + 1, torch.int64).sum(0)[:E]
                 num_chosen = (chosen < E).sum()
                 routing.dropped_fraction = (num_chosen - routing.tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
         return routing

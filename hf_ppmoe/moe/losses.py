@@ -37,10 +37,9 @@ def load_balancing_loss(
     fraction = (assignment.view(G, S, E).to(probs.dtype) * w).sum(dim=1) / tokens.clamp(min=1)  # c_e / S
     mean_prob = (probs.view(G, S, E) * w).sum(dim=1) / tokens.clamp(min=1)  # m_e
     per_group = (fraction * mean_prob).mean(dim=-1) * E * E  # [G]
-    has_tokens = tokens.squeeze(-1) > 0
-    if not bool(has_tokens.any()):
-        return probs.sum() * 0.0
-    return per_group[has_tokens].mean()
+    # mean over the groups that hold real tokens (0 when none does), without a data-dependent shape
+    has_tokens = (tokens.squeeze(-1) > 0).to(per_group.dtype)
+    return (per_group * has_tokens).sum() / has_tokens.sum().clamp(min=1)
 
 
 def router_z_loss(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tensor:
