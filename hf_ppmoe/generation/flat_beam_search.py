@@ -161,7 +161,7 @@ class _FlatModel:
         self.slot_pos = self.prompt_pos.clone()
 
     def _call(self, ids, **kwargs):
-        kwargs.update(past_key_values=self.cache, use_cache=True, **self.extra)
+        kwargs.update(past_key_values=self.cache, use_cache=True, return_dict=True, **self.extra)
         if self.enc_dec:
             return self.model(decoder_input_ids=ids, encoder_outputs=self.encoder_outputs,
                               attention_mask=self.encoder_mask, **kwargs)

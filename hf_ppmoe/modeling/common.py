@@ -28,6 +28,7 @@ from transformers import initialization as init
 from ..generation.flat_beam_search import generate as flat_beam_generate
 from ..moe.experts import Experts
 from ..moe.gates import Gate
+from ..moe.layer import MoELayer
 
 
 class RMSNorm(nn.Module):
@@ -142,6 +143,17 @@ class MoEPreTrainedModel(PreTrainedModel):
     _supports_attention_backend = True
     # {"AutoModelForCausalLM": "GPTMoEForCausalLM", ...}: Auto classes written into the saved config's auto_map
     _auto_classes: dict[str, str] = {}
+
+    def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
+        """Parameters that take part in one token's forward pass, the number MoE models are compared by: all of them,
+        less the routed experts a token does not reach (each MoE layer runs k of its E experts; a shared expert and the
+        router always run). `num_parameters()` gives the total."""
+        inactive = 0
+        for module in self.modules():
+            if isinstance(module, MoELayer):
+                E, k = module.experts.num_experts, module.gate.top_k
+                inactive += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
+        return self.num_parameters(exclude_embeddings=exclude_embeddings) - inactive
 
     @torch.no_grad()
     def _init_weights(self, module):

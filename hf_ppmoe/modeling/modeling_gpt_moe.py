@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils.generic import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_layers import GradientCheckpointingLayer
@@ -195,6 +196,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -297,6 +299,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -313,6 +316,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         **kwargs,
     ) -> GPTMoECausalLMOutput:
         out = self.model(
+            return_dict=True,
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,

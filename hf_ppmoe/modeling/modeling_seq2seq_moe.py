@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils.generic import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.loss.loss_utils import ForMaskedLMLoss
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
@@ -537,6 +538,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = new_embeddings
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -630,6 +632,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         """Used by DataCollatorForSeq2Seq to build decoder_input_ids."""
         return self._shift_right(labels)
 
+    @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -654,6 +657,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         out = self.model(
+            return_dict=True,
             input_ids=input_ids,
             attention_mask=attention_mask,
             decoder_input_ids=decoder_input_ids,

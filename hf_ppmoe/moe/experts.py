@@ -87,6 +87,12 @@ class Experts(nn.Module):
         self.has_post_expert_norm = False
         self._is_expert_parallel = True
 
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_dim}, intermediate_size={self.intermediate_dim}, "
+            f"gated={self.has_gate}, bias={self.has_bias}, dispatch={self.dispatch!r}"
+        )
+
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up

@@ -72,6 +72,13 @@ class Gate(nn.Module):
         nn.init.normal_(self.weight, std=getattr(config, "initializer_range", 0.02))
         self.generator: torch.Generator | None = None
 
+    def extra_repr(self) -> str:
+        return (
+            f"router_type={self.router_type!r}, num_experts={self.num_experts}, top_k={self.top_k}, "
+            f"capacity_factor={self.capacity_factor}, eval_capacity_factor={self.eval_capacity_factor}, "
+            f"num_groups={self.num_groups}, jitter_noise={self.jitter_noise}"
+        )
+
     @classmethod
     def check_config(cls, config) -> None:
         """Raise ValueError for settings this gate cannot work with (called when a model config is built)."""

@@ -85,10 +85,15 @@ class TrainArguments:
                 raise ValueError(f"Data file {path}: use .txt or .jsonl (one JSON object with a '{self.text_column}' field per line).")
         if self.train_file and self.dataset_name:
             raise ValueError("Give either --train_file or --dataset_name, not both.")
-        positive = ("block_size", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size")
+        positive = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size",
+                    "eval_steps", "logging_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.block_size < 2:
+            raise ValueError(f"--block_size must be >= 2 (a causal LM predicts each token from those before it), got {self.block_size}.")
+        if not self.max_grad_norm >= 0:
+            raise ValueError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"--mixed_precision {self.mixed_precision!r}: use no, bf16 or fp16.")
         if (self.tp_size > 1 or self.pp_size > 1) and self.mixed_precision == "fp16":

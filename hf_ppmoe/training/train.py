@@ -408,6 +408,12 @@ def main(args: TrainArguments) -> dict:
         scheduler.step()
         done = step + 1
         sums = dp.reduce(sums, reduction="mean")
+        if not bool(torch.isfinite(sums).all()):  # the same on every rank: all stop together, nothing is saved
+            raise FloatingPointError(
+                f"Training stopped at step {done}: the loss is not finite (lm {sums[0].item()}, aux {sums[1].item()}, "
+                f"z {sums[2].item()}). Nothing was saved from this step on; checkpoints written before it are intact. "
+                "Lower --learning_rate, keep --max_grad_norm on, or try --mixed_precision bf16 instead of fp16."
+            )
         router = monitor.collect(lambda t: dp.reduce(t.to(accelerator.device)))
         if pipe is not None:  # every stage has its own layers' metrics
             stages = [None] * pipe.size

@@ -288,3 +288,16 @@ def test_text_generation_pipeline_and_trainer(tmp_path):
     trainer = Trainer(model=model.train(), args=args, train_dataset=data)
     result = trainer.train()
     assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+@pytest.mark.parametrize("gate", [dict(router_type="topk"), dict(router_type="prototype")])
+def test_active_parameters_equal_the_dense_model_of_equal_active_flops_plus_routers(gate):
+    """k experts of inner size f run per token: the parameters a token touches are those of the dense model with
+    inner size k * f, plus each MoE layer's router [E, H]; a shared expert always runs."""
+    moe = GPTMoEForCausalLM(tiny_gpt_config(**gate, shared_expert_intermediate_size=8))
+    dense = GPTMoEForCausalLM(tiny_gpt_config(intermediate_size=2 * 48, moe_layers=[]))
+    shared = 2 * 3 * 32 * 8  # two layers' shared SwiGLU experts
+    routers = 2 * 4 * 32
+    assert moe.num_active_parameters() == dense.num_parameters() + routers + shared
+    assert moe.num_parameters() - moe.num_active_parameters() == 2 * 2 * 3 * 32 * 48  # 2 idle experts per layer
+    assert "num_experts=4, top_k=2" in repr(moe) and "intermediate_size=48" in repr(moe)

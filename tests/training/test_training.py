@@ -285,7 +285,10 @@ def test_jsonl_and_datasets_sources(tmp_path):
     [
         (dict(train_file=["/no/such/file.txt"]), "Data file /no/such/file.txt does not exist"),
         (dict(model_name_or_path="x", upcycle_from="y"), "Give only one of"),
-        (dict(block_size=0), "--block_size must be >= 1"),
+        (dict(block_size=1), "--block_size must be >= 2"),
+        (dict(eval_steps=0), "--eval_steps must be >= 1"),
+        (dict(logging_steps=0), "--logging_steps must be >= 1"),
+        (dict(max_grad_norm=-1.0), "--max_grad_norm must be >= 0"),
         (dict(mixed_precision="fp8"), "--mixed_precision 'fp8'"),
         (dict(resume="/no/checkpoint"), "no such checkpoint folder"),
         (dict(config_name="/no/config.json"), "does not exist"),
@@ -345,3 +348,15 @@ def test_bf16_mixed_precision_trains(corpus, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses, evals = metrics(tmp_path), metrics(tmp_path, "eval/loss")
     assert set(losses) == {1, 2} and all(math.isfinite(v) for v in [*losses.values(), *evals.values()]) and evals
+
+
+def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(corpus, tmp_path):
+    """A diverging run (learning rate 1e6, no clipping) stops with a clear error at the first non-finite loss; the
+    checkpoint written before it stays, no later checkpoint or final model is written."""
+    args = _args(corpus, tmp_path, max_steps=6, learning_rate=1e6, max_grad_norm=0, checkpointing_steps=1, warmup_steps=0)
+    with pytest.raises(FloatingPointError, match=r"Training stopped at step (\d): the loss is not finite") as error:
+        main(args)
+    stopped = int(error.value.args[0].split("step ")[1].split(":")[0])
+    saved = sorted(int(p.name.split("_")[1]) for p in tmp_path.glob("checkpoints/step_*[0-9]"))
+    assert stopped > 1 and saved == list(range(1, stopped)), (stopped, saved)
+    assert not list(tmp_path.glob("*.safetensors")) and not (tmp_path / "config.json").exists()
