@@ -21,6 +21,7 @@ SAMPLE_TEXTS = [
 GATES = {
     "topk": dict(router_type="topk"),
     "topk-unnormalized": dict(router_type="topk", norm_topk_prob=False),  # weights sum to K/E = 1/2
+    "topk-m6t": dict(router_type="topk", topk_weighting="m6t"),  # M6-T Eq. (1): a softmax over the k, sums to 1
     "switch": dict(router_type="switch"),  # 1/E = 1/4
     "gshard": dict(router_type="gshard", capacity_factor=1.25),  # capacity in training only: evaluation is dropless
     "prototype": dict(router_type="prototype", num_experts_per_tok=4, num_experts=8),  # 4 prototypes: 4 * 1/2 = 2

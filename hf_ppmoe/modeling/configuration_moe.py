@@ -50,7 +50,12 @@ class MoEConfig(PreTrainedConfig):
         router_num_groups: GShard's local dispatch groups (capacity and aux loss are per group).
         router_jitter_noise: multiplicative router-input noise in training (Switch).
         router_random_routing: GShard's random routing of the 2nd expert with probability 2 * g2 (training only).
+        router_random_routing_takes_capacity: GShard Algorithm 1 read literally (line 24 counts a second route that
+            random routing skipped against e2's capacity); default False: the skipped route frees its slot for later
+            tokens, which the paper's prose allows and which drops fewer tokens.
         norm_topk_prob: renormalise top-k weights to sum to one ("topk" gate).
+        topk_weighting: "probs" (default: the top-k softmax probabilities, renormalised if norm_topk_prob) or "m6t"
+            (M6-T Eq. (1): p = softmax(topk(softmax(W x))), a softmax over the k selected probabilities) ("topk" gate).
         moe_layer_frequency: every n-th FFN is MoE (layers n-1, 2n-1, ...); `moe_layers` lists them explicitly.
         moe_intermediate_size: expert inner size (defaults to intermediate_size).
         shared_expert_intermediate_size: > 0 adds a dense shared expert to every MoE layer.
@@ -69,7 +74,9 @@ class MoEConfig(PreTrainedConfig):
     router_num_groups: int = 1
     router_jitter_noise: float = 0.0
     router_random_routing: bool = True
+    router_random_routing_takes_capacity: bool = False
     norm_topk_prob: bool = True
+    topk_weighting: str = "probs"
     moe_layer_frequency: int = 2
     moe_layers: list[int] | None = None
     moe_intermediate_size: int | None = None
@@ -94,6 +101,10 @@ class MoEConfig(PreTrainedConfig):
         check(
             0.0 <= self.router_jitter_noise < 1.0,
             f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1) (multiplicative noise 1 +- eps).",
+        )
+        check(
+            self.topk_weighting in ("probs", "m6t"),
+            f"topk_weighting={self.topk_weighting!r}: use 'probs' (top-k softmax probabilities) or 'm6t' (M6-T Eq. (1)).",
         )
         get_gate_class(self.router_type).check_config(self)
         check(

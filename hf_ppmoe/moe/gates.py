@@ -14,8 +14,8 @@ capacity, losses and statistics the same way for every gate, so a gate of your o
 and, when the load-balancing loss should count routes other than "1/K for each route", `assignment`.
 
 Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
-`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, and per gate `router_random_routing` (gshard)
-and `norm_topk_prob` (topk).
+`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, and per gate `router_random_routing` and
+`router_random_routing_takes_capacity` (gshard), `norm_topk_prob` and `topk_weighting` (topk).
 
 Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
 set (else the default generator), so tensor-parallel ranks that share a seed draw the same numbers.
@@ -94,6 +94,11 @@ class Gate(nn.Module):
         nothing). Only computed with the losses."""
         return _one_hot(expert_ids, self.num_experts + 1, torch.float32, 1.0 / expert_ids.shape[1]).sum(1)[:, :-1]
 
+    def capacity_claims(self, logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """[T, K] the expert slot each route claims in the capacity count (sentinel: none), before padding is
+        removed: by default the routes `select` took."""
+        return expert_ids
+
     def load_balancing_loss(self, probs, assignment, token_mask, group_size):
         return load_balancing_loss(probs, assignment, token_mask, group_size)
 
@@ -127,7 +132,10 @@ class Gate(nn.Module):
         capacity = capacity_for(factor, expert_ids.shape[1], group_size, E)
         if capacity is not None:
             # overflowed routes are dropped: the token passes through the residual connection only
-            keep = (expert_ids < E) & (positions_in_expert(expert_ids, E, group_size) < capacity)
+            claims = self.capacity_claims(logits, expert_ids)
+            if token_mask is not None:
+                claims = claims.masked_fill(padding, E)
+            keep = (expert_ids < E) & (positions_in_expert(claims, E, group_size) < capacity)
             expert_ids = expert_ids.masked_fill(~keep, E)
             weights = weights.masked_fill(~keep, 0.0)
 
@@ -176,11 +184,14 @@ class TopKGate(Gate):
     def __init__(self, config):
         super().__init__(config)
         self.normalize = config.norm_topk_prob
+        self.weighting = getattr(config, "topk_weighting", "probs")
 
     def select(self, logits):
         probs = logits.softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
-        if self.normalize:
+        if self.weighting == "m6t":  # M6-T Eq. (1): p = softmax(g), g = topk(softmax(W x))
+            weights = weights.softmax(dim=-1)
+        elif self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return experts, weights, probs
 
@@ -198,6 +209,7 @@ class GShardGate(Gate):
     def __init__(self, config):
         super().__init__(config)
         self.random_routing = config.router_random_routing
+        self.skipped_routes_take_capacity = getattr(config, "router_random_routing_takes_capacity", False)
 
     @classmethod
     def check_config(cls, config):
@@ -218,6 +230,13 @@ class GShardGate(Gate):
             experts[:, 1] = experts[:, 1].masked_fill(skip, self.num_experts)
             gates = torch.stack([gates[:, 0], gates[:, 1].masked_fill(skip, 0.0)], dim=1)
         return experts, gates, probs
+
+    def capacity_claims(self, logits, expert_ids):
+        # Algorithm 1 line 24 read literally: c_e2 <- c + 1 comes after the `if`, so a second route that random routing
+        # skipped still takes its slot in e2's buffer (the top-2 of the same softmax select() ranked)
+        if self.training and self.random_routing and self.skipped_routes_take_capacity:
+            return logits.softmax(dim=-1).topk(2, dim=-1).indices
+        return expert_ids
 
     def assignment(self, expert_ids):
         # first choices only, as the class docstring says

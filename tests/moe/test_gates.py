@@ -88,8 +88,24 @@ def test_gshard_random_routing_with_fixed_generator():
     assert r.dropped_fraction.item() == pytest.approx(2 / 7)
 
 
-def gshard_reference(probs, capacity, rnd):
-    """GShard Algorithm 1, transcribed line by line for one group (rnd=None: no random routing)."""
+@pytest.mark.parametrize("literal, token3", [(False, [1, 2]), (True, [1, 3])])
+def test_gshard_skipped_second_route_and_capacity_hand_worked(literal, token3):
+    # C = ceil(0.375 * 2 * 4 / 3) = 1. First routes: t0 -> e0, t1 and t2 overflow e0, t3 -> e1. Second routes: t0 -> e1
+    # overflows, t1 -> e2 is skipped by random routing (0.768 > 2 * g2 = 0.538), t2 -> e1 overflows, t3 -> e2 (0.132 <
+    # 0.538): by default t1's skipped route left e2's slot free, so t3 gets it; read literally (line 24 after the
+    # `if`), t1's skipped route took the slot and t3's second route overflows.
+    gate = make_gate(
+        "gshard", num_experts=3, top_k=2, capacity_factor=0.375, router_random_routing_takes_capacity=literal
+    ).train()
+    gate.generator = torch.Generator().manual_seed(0)
+    r = gate(GSHARD_LOGITS)
+    assert r.capacity == 1
+    assert r.expert_ids.tolist() == [[0, 3], [3, 3], [3, 3], token3]
+
+
+def gshard_reference(probs, capacity, rnd, literal=False):
+    """GShard Algorithm 1, transcribed line by line for one group (rnd=None: no random routing). literal=True keeps
+    line 24 where the paper puts it, after the `if`: a second route skipped by random routing still counts."""
     S, E = probs.shape
     c = [0] * E
     combine = torch.zeros(S, E)
@@ -102,17 +118,21 @@ def gshard_reference(probs, capacity, rnd):
     for s in range(S):
         (g1, g2), (_, e2) = top[s]
         g2n = g2 / (g1 + g2)
-        if c[e2] < capacity and (rnd is None or 2 * g2n > rnd[s]):
+        c_ = c[e2]
+        if c_ < capacity and (rnd is None or 2 * g2n > rnd[s]):
             combine[s, e2] = g2n
-            c[e2] += 1
+            c[e2] = c_ + 1
+        elif literal:
+            c[e2] = c_ + 1
     return combine
 
 
-@pytest.mark.parametrize("random_routing", [False, True])
-def test_gshard_matches_algorithm_1_group_local(random_routing):
+@pytest.mark.parametrize("random_routing, literal", [(False, False), (True, False), (True, True)])
+def test_gshard_matches_algorithm_1_group_local(random_routing, literal):
     E, T, G = 4, 24, 3
     gate = make_gate(
-        "gshard", num_experts=E, top_k=2, capacity_factor=1.0, router_num_groups=G, router_random_routing=random_routing
+        "gshard", num_experts=E, top_k=2, capacity_factor=1.0, router_num_groups=G, router_random_routing=random_routing,
+        router_random_routing_takes_capacity=literal,
     ).train()
     gate.generator = torch.Generator().manual_seed(3)
     logits = torch.randn(T, E) * 2
@@ -123,7 +143,10 @@ def test_gshard_matches_algorithm_1_group_local(random_routing):
     rnd = torch.rand(T, generator=torch.Generator().manual_seed(3)) if random_routing else None
     probs = logits.softmax(-1)
     expected = torch.cat(
-        [gshard_reference(probs[g * S : (g + 1) * S], capacity, None if rnd is None else rnd[g * S : (g + 1) * S]) for g in range(G)]
+        [
+            gshard_reference(probs[g * S : (g + 1) * S], capacity, None if rnd is None else rnd[g * S : (g + 1) * S], literal)
+            for g in range(G)
+        ]
     )
     torch.testing.assert_close(dense_combine(r), expected)
     # group-local counts: no expert gets more than C tokens from any group
@@ -141,6 +164,22 @@ def test_gshard_no_state_between_train_and_eval():
     # eval: C = ceil(2.0 * 2 * 4 / 3) = 6, no random routing: every route kept, and identical before/after training
     assert first.capacity == 6 and (first.expert_ids < 3).all()
     assert torch.equal(first.expert_ids, second.expert_ids) and torch.equal(first.weights, second.weights)
+
+
+@pytest.mark.parametrize(
+    "settings, expected",
+    [
+        (dict(norm_topk_prob=False), [0.5, 0.3]),  # Mixtral without renormalisation: the probabilities
+        (dict(), [0.625, 0.375]),  # renormalised: 0.5 / 0.8, 0.3 / 0.8
+        # M6-T Eq. (1): softmax over the two probabilities: 1 / (1 + e^-0.2), 1 / (1 + e^0.2)
+        (dict(topk_weighting="m6t"), [0.549834, 0.450166]),
+    ],
+)
+def test_topk_weightings_hand_worked(settings, expected):
+    gate = make_gate("topk", num_experts=4, top_k=2, **settings).train()
+    r = gate(torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log())
+    assert r.expert_ids.tolist() == [[0, 1]]
+    assert r.weights[0].tolist() == pytest.approx(expected, abs=1e-6)
 
 
 def test_topk_renormalisation_and_dropless():
