@@ -86,6 +86,11 @@ def megatron_incompatibilities(config) -> list[str]:
             "one top-1 per group of experts (Megatron's group-limited routing selects groups, then top-k across them)",
         }.get(config.router_type, "only the built-in 'topk' and 'switch' gates have a Megatron counterpart")
         problems.append(f"router_type={config.router_type!r}: {reason}.")
+    if has_moe and config.router_type == "topk" and getattr(config, "topk_weighting", "probs") != "probs":
+        problems.append(
+            f"topk_weighting={config.topk_weighting!r}: Megatron weights the top-k by their probabilities (optionally "
+            "renormalised), not by a softmax over them (M6-T Eq. (1)); use topk_weighting='probs'."
+        )
     if has_moe and (config.capacity_factor is not None or config.eval_capacity_factor is not None):
         problems.append(
             f"capacity_factor={config.capacity_factor}, eval_capacity_factor={config.eval_capacity_factor}: Megatron "

@@ -60,6 +60,7 @@ def test_parser_refuses_context_parallelism_and_seq2seq():
         (dict(eval_capacity_factor=2.0), "eval_capacity_factor=2.0"),
         (dict(router_num_groups=2), "router_num_groups=2"),
         (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
+        (dict(topk_weighting="m6t"), "topk_weighting=.m6t."),
         (dict(mlp_bias=True), r"\(attention_bias, attention_output_bias, mlp_bias\)=\(False, False, True\)"),
         (
             dict(attention_bias=True, mlp_bias=True, shared_expert_intermediate_size=16, attention_output_bias=True),
