@@ -72,6 +72,7 @@ class GPTMoEConfig(MoEConfig):
         self.validate()
 
     def validate(self) -> None:
+        self.validate_numbers()
         check(
             self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
             f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "

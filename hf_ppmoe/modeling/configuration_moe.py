@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
@@ -33,6 +35,19 @@ MOE_EP_PLAN = {
     **{f"mlp.experts.{name}": "grouped_gemm" for name in _EXPERT_PARAMS},
     "mlp.experts": "ep_dispatch_experts",
 }
+
+
+# positive integer sizes (None allowed for the optional ones) and finite numeric coefficients, of either family
+_SIZES = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
+    "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim", "max_position_embeddings",
+    "num_experts", "num_experts_per_tok", "router_num_groups", "moe_layer_frequency", "shared_expert_intermediate_size",
+)
+_OPTIONAL_SIZES = ("num_decoder_layers", "num_key_value_heads", "moe_intermediate_size", "head_dim", "max_position_embeddings")
+_NUMBERS = (
+    "capacity_factor", "eval_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise",
+    "initializer_range", "layer_norm_eps",
+)
 
 
 def check(condition: bool, message: str) -> None:
@@ -85,6 +100,30 @@ class MoEConfig(PreTrainedConfig):
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
     output_router_logits: bool = False
+
+    def validate_numbers(self) -> None:
+        """Raise ValueError, naming the field, for sizes that are not positive integers (4.5, "4", None, -1, True) and
+        coefficients that are not finite numbers (inf, nan, "0.1"): before any size is used in arithmetic."""
+        for name in _SIZES:
+            value = getattr(self, name, None)
+            if value is None and name in _OPTIONAL_SIZES:
+                continue
+            check(
+                isinstance(value, int) and not isinstance(value, bool),
+                f"{name} must be an integer, got {value!r} ({type(value).__name__}).",
+            )
+            minimum = 0 if name == "shared_expert_intermediate_size" else 1
+            if name != "num_experts_per_tok":  # its range, 1..num_experts, is checked with the gates
+                check(value >= minimum, f"{name} must be >= {minimum}, got {value}.")
+        for name in _NUMBERS:
+            value = getattr(self, name, None)
+            if value is None and name in ("capacity_factor", "eval_capacity_factor"):  # None: dropless
+                continue
+            check(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                f"{name} must be a finite number, got {value!r}.",
+            )
+        check(self.layer_norm_eps > 0, f"layer_norm_eps must be > 0, got {self.layer_norm_eps}.")
 
     def validate_moe(self) -> None:
         """Raise ValueError, naming the field and the fix, for MoE settings that cannot work."""

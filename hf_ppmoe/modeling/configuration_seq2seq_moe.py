@@ -102,6 +102,7 @@ class Seq2SeqMoEConfig(MoEConfig):
         return self.is_moe_layer(layer_idx, self.decoder_moe_layers, self.decoder_moe_layer_frequency)
 
     def validate(self) -> None:
+        self.validate_numbers()
         check(
             self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
             f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "

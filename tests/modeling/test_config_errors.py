@@ -26,6 +26,17 @@ BAD_CONFIGS = [
     (dict(hidden_dropout=1.0), "hidden_dropout must be in"),
     (dict(sliding_window=0), "sliding_window must be a positive number"),
     (dict(router_aux_loss_coef=-0.1), "router_aux_loss_coef must be >= 0"),
+    # types and non-finite numbers, refused before any arithmetic on them
+    (dict(num_experts=4.5), r"num_experts must be an integer, got 4.5 \(float\)"),
+    (dict(num_experts="4"), r"num_experts must be an integer, got '4' \(str\)"),
+    (dict(num_experts=None), r"num_experts must be an integer, got None"),
+    (dict(hidden_size="32"), r"hidden_size must be an integer, got '32'"),
+    (dict(num_attention_heads=0), "num_attention_heads must be >= 1, got 0"),
+    (dict(num_hidden_layers=-1), "num_hidden_layers must be >= 1, got -1"),
+    (dict(head_dim=0), "head_dim must be >= 1, got 0"),
+    (dict(capacity_factor=float("inf")), "capacity_factor must be a finite number, got inf"),
+    (dict(router_aux_loss_coef=float("inf")), "router_aux_loss_coef must be a finite number, got inf"),
+    (dict(layer_norm_eps=-1e-5), "layer_norm_eps must be > 0"),
 ]
 
 
