@@ -343,3 +343,11 @@ def test_seq2seq_trainer_trains_and_evaluates_with_generate(tmp_path):
     assert torch.isfinite(torch.tensor(metrics["eval_loss"]))
     prediction = trainer.predict(rows[:3])
     assert prediction.predictions.shape[0] == 3
+
+
+def test_labels_that_are_a_non_contiguous_slice():
+    model = Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config()).eval()
+    ids = torch.randint(3, 97, (2, 10))
+    labels = ids[:, :5]  # a view with row stride 10: not contiguous
+    assert not labels.is_contiguous()
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, model(input_ids=ids, labels=labels.clone()).loss)
