@@ -1,4 +1,5 @@
-"""`hf-ppmoe` command line: `hf-ppmoe demo [--steps N ...]`, `hf-ppmoe upcycle|merge|import SRC OUT [...]`."""
+"""`hf-ppmoe` command line: `hf-ppmoe demo [...]`, `hf-ppmoe train [...]` (= `python -m hf_ppmoe.training`),
+`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from transformers import HfArgumentParser
 
 COMMANDS = {
     "demo": "Built-in corpus: dense GPT-2 -> upcycled GPT-MoE -> fine-tuned vs dense -> flat beam search -> merged back.",
+    "train": "Train or fine-tune a causal LM (data / tensor / expert / pipeline parallel): hf-ppmoe train --help.",
     "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
     "import": "Import an MoE checkpoint (Mixtral; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
 }
 
 
@@ -24,11 +27,24 @@ def _positional(rest: list[str], names: tuple[str, ...]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"hf-ppmoe {version('hf-ppmoe')}")
+        return 0
     if not argv or argv[0] not in COMMANDS:
         listing = "\n".join(f"  {name:<8} {help}" for name, help in COMMANDS.items())
-        print(f"usage: hf-ppmoe COMMAND [--help]\n\ncommands:\n{listing}", file=sys.stderr)
+        print(f"usage: hf-ppmoe COMMAND [--help] | hf-ppmoe --version\n\ncommands:\n{listing}", file=sys.stderr)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     command, rest = argv[0], argv[1:]
+    if command == "train":
+        from .training.__main__ import cli
+
+        return cli(rest, prog="hf-ppmoe train")
+    if command == "megatron":
+        from .conversion.megatron import main as megatron
+
+        return megatron(rest, prog="hf-ppmoe megatron")
     if command == "demo":
         from .training.demo import DemoArguments, run_demo
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -476,10 +477,8 @@ def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = T
     return model
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="python -m hf_ppmoe.conversion.megatron", description=__doc__.split("\n\n")[0]
-    )
+def main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     a = sub.add_parser("to-megatron", help="GPT-MoE folder -> Megatron-LM release checkpoint (legacy torch format)")
     a.add_argument("hf_path")
@@ -494,19 +493,23 @@ def main(argv=None) -> None:
     b.add_argument("--config", required=True, help="GPT-MoE folder or config.json describing the model")
     b.add_argument("--trust-checkpoint", action="store_true", help="allow pickled Python objects (Megatron-LM args)")
     ns = parser.parse_args(argv)
-    if ns.command == "to-megatron":
-        convert_hf_to_megatron(
-            ns.hf_path,
-            ns.out,
-            tp=ns.tp,
-            pp=ns.pp,
-            overwrite=ns.overwrite,
-            make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
-        )
-    else:
-        convert_megatron_to_hf(ns.megatron_path, ns.out, ns.config, weights_only=not ns.trust_checkpoint)
+    try:
+        if ns.command == "to-megatron":
+            convert_hf_to_megatron(
+                ns.hf_path,
+                ns.out,
+                tp=ns.tp,
+                pp=ns.pp,
+                overwrite=ns.overwrite,
+                make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
+            )
+        else:
+            convert_megatron_to_hf(ns.megatron_path, ns.out, ns.config, weights_only=not ns.trust_checkpoint)
+    except (ConversionError, OSError, ValueError) as err:  # refusals and missing files: one line, no traceback
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(f"wrote {ns.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

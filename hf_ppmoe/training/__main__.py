@@ -8,13 +8,16 @@ from .arguments import TrainArguments
 from .train import main
 
 
-def cli(argv: list[str] | None = None) -> int:
-    (args,) = HfArgumentParser(TrainArguments, prog="python -m hf_ppmoe.training").parse_args_into_dataclasses(argv)
+def cli(argv: list[str] | None = None, prog: str = "python -m hf_ppmoe.training") -> int:
+    (args,) = HfArgumentParser(TrainArguments, prog=prog).parse_args_into_dataclasses(argv)
     try:
         main(args)
     except ValueError as error:  # bad arguments: one clear line, no traceback
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except FloatingPointError as error:  # the run diverged: say where and what to change
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 0
 
 

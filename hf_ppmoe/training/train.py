@@ -276,6 +276,9 @@ def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Acc
     """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas (with
     `pipe`, `model` is its stage: the stages run forward one after another, the last one computes the loss)."""
     model.eval()
+    # forward through the model itself, not its DDP wrapper: a replica may have fewer evaluation batches than another
+    # (or none), and DDP's forward runs a collective (the buffer broadcast) that the others would never join
+    forward = model if pipe is not None else accelerator.unwrap_model(model)
     b = args.per_device_train_batch_size
     batches = list(range(0, len(blocks), b))
     if args.eval_batches:
@@ -284,7 +287,7 @@ def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Acc
     for i in batches[dp.rank :: dp.size]:
         batch = blocks[i : i + b].to(accelerator.device)
         with accelerator.autocast():
-            logits = model(batch).logits if pipe is None else pipe.forward(batch)
+            logits = forward(batch).logits if pipe is None else pipe.forward(batch)
         if logits is None:  # not the pipeline's last stage
             continue
         logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()

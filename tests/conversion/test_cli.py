@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from converters import SAMPLE_TEXTS, assert_same_outputs, assert_same_seq2seq_outputs, read_tensors, tiny_switch
 from transformers import AutoModelForCausalLM
@@ -81,3 +82,21 @@ def test_real_command_shows_progress(dense, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "writing tensors: 100%" in result.stderr and f"wrote {tmp_path / 'moe'}" in result.stdout
     assert_same_outputs(model, GPTMoEForCausalLM.from_pretrained(tmp_path / "moe"))
+
+
+def test_one_command_for_everything(tmp_path, capsys):
+    """`hf-ppmoe` lists and runs training and the Megatron converter too; --version; refusals are one line, exit 2."""
+    from importlib.metadata import version
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hf-ppmoe {version('hf-ppmoe')}"
+    assert main(["--help"]) == 0
+    listing = capsys.readouterr().err
+    assert all(f"  {name} " in listing for name in ("demo", "train", "upcycle", "merge", "import", "megatron"))
+    assert main(["train", "--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)]) == 2
+    assert "error: Data file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # argparse's own exit, as for its usage errors
+        main(["megatron", "to-hf", str(tmp_path / "none"), str(tmp_path / "out"), "--config", str(tmp_path / "none")])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-ppmoe megatron: error:") and "Traceback" not in err

@@ -122,7 +122,8 @@ PIPELINE = dict(steps=3, per_device_train_batch_size=4, gradient_accumulation_st
 
 @pytest.fixture(scope="module")
 def two_processes(corpus, tmp_path_factory):
-    """One launch of 2 processes: data parallel (2 x 4 sequences), tensor parallel (--tp_size 2, 8 sequences, with
+    """One launch of 2 processes: data parallel (2 x 4 sequences), data parallel evaluating one batch (fewer than the
+    replicas), tensor parallel (--tp_size 2, 8 sequences, with
     checkpoints), tensor parallel resumed from that run's step-4 checkpoint, pipeline parallel (--pp_size 2, tied
     head, with checkpoints) and pipeline parallel resumed from its step-2 checkpoint."""
     root = tmp_path_factory.mktemp("two_processes")
@@ -131,6 +132,7 @@ def two_processes(corpus, tmp_path_factory):
     launch(
         2,
         flags(corpus, root / "dp", steps=3, per_device_train_batch_size=4),
+        flags(corpus, root / "dp_eval_one_batch", steps=1, per_device_train_batch_size=4, eval_batches=1),
         flags(corpus, root / "tp", steps=6, checkpointing_steps=2, tp_size=2),
         flags(corpus, root / "tp_resumed", steps=6, checkpointing_steps=2, tp_size=2, resume=tp_checkpoint),
         flags(corpus, root / "pp", config_name=tied, checkpointing_steps=2, **PIPELINE),
@@ -146,6 +148,13 @@ def test_two_process_data_parallel_equals_one_process(two_processes, reference_t
     Accelerate picks them up as a multi-CPU (gloo) data-parallel run.)"""
     assert set(train_losses(two_processes / "dp")) == {1, 2, 3}
     assert_same_run(reference_two_groups, two_processes / "dp", steps=[1, 2, 3])
+
+
+def test_evaluation_with_fewer_batches_than_replicas_finishes(two_processes):
+    """One evaluation batch for two replicas: the replica without a batch must not wait in a collective of the other's
+    forward (it hung in DDP's buffer broadcast); the loss is that one batch's."""
+    evals = metrics(two_processes / "dp_eval_one_batch", "eval/loss")
+    assert list(evals) == [1] and math.isfinite(evals[1])
 
 
 def test_two_process_tensor_parallel_equals_one_process(two_processes, reference):
