@@ -146,7 +146,7 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
     offsets = counts[:E].cumsum(0, dtype=torch.int32)  # end row of each expert's block
     valid = (sorted_ids < E).unsqueeze(-1)  # [T*K, 1]
     # sentinel rows are zeroed before the GEMMs: their gradient, which the kernels leave undefined, stops here
-    x_routed = x.index_select(0, order // K).masked_fill(~valid, 0.0)  # [T*K, H]
+    x_routed = x.index_select(0, order // K).masked_fill_(~valid, 0.0)  # [T*K, H]
     w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
     rows_expert = sorted_ids.clamp(max=E - 1)
     h = grouped_mm(x_routed, w_in, offsets)
@@ -155,12 +155,12 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
     y = grouped_mm(experts._activate(h), w_out, offsets)
     if b_out is not None:
         y = y + b_out.index_select(0, rows_expert)
-    # masked with where before the weighting: rows past the last offset are not computed by the kernel and may hold
-    # NaN, which a multiplication by 0 would keep (in the output, and in the routing weights' gradient)
-    y = torch.where(valid, y, 0.0) * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
+    # masked before the weighting: rows past the last offset are not computed by the kernel and may hold NaN, which a
+    # multiplication by 0 would keep (in the output, and in the routing weights' gradient)
+    y = y.masked_fill_(~valid, 0.0) * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
     # back to route order (a permutation: no atomics, deterministic), then each token's K routes summed
     y = torch.empty_like(y).index_copy_(0, order, y)
-    return y.view(T, K, -1).sum(dim=1)
+    return y if K == 1 else y.view(T, K, -1).sum(dim=1)
 
 
 def _few_routes_on_cpu(experts, x, expert_ids, weights):
