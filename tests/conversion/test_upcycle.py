@@ -30,7 +30,7 @@ def test_upcycled_model_equals_dense(dense, arch, gate):
 def test_scale_is_the_inverse_of_the_uniform_combine_sum(dense):
     model, _ = dense("gpt2")
     scales = {g: upcycle(model, **(dict(num_experts=4, moe_layers=[0]) | GATES[g])).config.conversion["expert_output_scale"] for g in GATES}
-    assert scales == {"topk": 1.0, "topk-unnormalized": 2.0, "switch": 4.0, "gshard": 1.0, "prototype": 0.5}
+    assert scales == {"topk": 1.0, "topk-unnormalized": 2.0, "topk-m6t": 1.0, "switch": 4.0, "gshard": 1.0, "prototype": 0.5}
 
 
 def test_upcycle_from_model_object_equals_folder(dense):

@@ -167,7 +167,7 @@ def test_failed_save_leaves_nothing_behind(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_command_line_round_trip_without_megatron(tmp_path, monkeypatch):
+def test_command_line_round_trip_without_megatron(tmp_path, monkeypatch, capsys):
     """Both commands with megatron unimportable (the converter needs torch only); the saved args describe the model,
     so a checkpoint is refused for a config it was not made from; --overwrite replaces an earlier conversion."""
     monkeypatch.setitem(sys.modules, "megatron", None)  # any import of megatron now raises ImportError
@@ -180,5 +180,7 @@ def test_command_line_round_trip_without_megatron(tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path / "mlm/release").iterdir()) == ["mp_rank_00_000", "mp_rank_01_001"]
     main(["to-hf", d + "/mlm", d + "/back", "--config", d + "/hf"])
     assert_same(GPTMoEForCausalLM.from_pretrained(d + "/back").state_dict(), m.state_dict())
-    with pytest.raises(ConversionError, match="saved for another model: num_layers=4"):
+    with pytest.raises(SystemExit) as exit:  # a refusal is one line on stderr and exit code 2, no traceback
         main(["to-hf", d + "/mlm", d + "/bad", "--config", d + "/other"])
+    assert exit.value.code == 2
+    assert "saved for another model: num_layers=4" in capsys.readouterr().err
