@@ -1,107 +1,591 @@
-"""Small-scale reproduction of the papers' quality findings, on the built-in corpus (run by hand, minutes on CPU).
+"""Do the papers' quality claims hold at small scale? MoE against dense at equal active FLOPs, top-2 against top-1,
+M6-T expert prototyping against top-k, GShard capacity 1.25 against 2.0, sparse upcycling against continued dense.
 
-    python benchmarks/quality.py [--steps 300 --out /tmp/hf-ppmoe-quality]
+    python benchmarks/quality.py            # reduced setting: 2-core CPU, float32 (see SETTINGS["cpu"] for its size)
+    python benchmarks/quality.py --full     # full scale: one CUDA GPU, bf16 autocast, 5 seeds
+    python benchmarks/quality.py --smoke    # seconds: 2 arms + upcycling, 1 seed, a few steps (the test runs it)
 
-1. Routing at equal steps and equal active FLOPs. Every model has the same attention and the same FFN compute per
-   token: dense FFN of inner size F; top-1 (Switch) experts of inner size F; top-2 (topk), GShard top-2 with
-   capacity, and M6-T "2 top-1" prototypes with experts of inner size F/2. 8 experts, MoE every other layer
-   (GShard/PPMoE), same data order, same seed. Reports eval loss and time per step.
-2. Upcycling: a dense GPT-2 of the same size pre-trained for --steps, then continued for --steps either dense or upcycled to an
-   8-expert top-2 MoE (sparse upcycling), same batches. Reports eval loss of both.
-Every run is `hf_ppmoe.training.main`; the numbers are written to stdout as a markdown table.
+Corpus (no download): the .py files of the CPython standard library this interpreter ships (code, comments and
+docstrings; test suites included; site-packages excluded), split into train / validation BY FILE (every 20th file
+in the order of the SHA-1 of its relative path is validation), tokenized with a byte-level BPE fitted on the train
+files only. Documents are joined with an end-of-text token; training batches are random windows of the train stream,
+the same windows for every arm of a seed; validation is a fixed set of evenly spaced windows of the validation stream.
+
+Arms, all GPT-MoE (Llama layout: rotary, RMSNorm, SwiGLU) with the same attention, embeddings and head; the FFN of
+every other layer is an MoE layer. With F = 4 x hidden the dense FFN's inner size, every MoE arm has the same active
+FFN FLOPs per token (k routes x experts of inner size F/k) AND the same expert parameters (8F in total: 8k experts of
+F/k), so the MoE arms differ only in how they route:
+    dense          dense FFN F everywhere                              (equal active FLOPs, 1/8 the FFN parameters)
+    dense_wide     FFN 8F in the MoE layers' places (a one-expert MoE == a dense FFN; no router loss)
+                                                                       (equal parameters, 8x the FLOPs there)
+    switch         top-1, 8 experts of F (Switch Transformer; dropless)
+    top2           top-2 softmax router, 16 experts of F/2 (Mixtral-style, renormalised; dropless)
+    top2_m6t       as top2, weights softmax(topk(softmax(Wx))) (M6-T Eq. (1), topk_weighting="m6t")
+    gshard_c1.25   GShard Algorithm 1, 16 experts of F/2, capacity factor 1.25 in training (one group per batch)
+    gshard_c2.0    the same with capacity factor 2.0
+    proto2         M6-T "k top-1" expert prototyping, k = 2 prototypes of 8 experts of F/2
+    proto4         k = 4 prototypes of 8 experts of F/4
+Upcycling: each seed's final `dense` model is continued for `upcycle_steps` more steps on new batches, either dense
+(`upcycle_dense`) or after `hf_ppmoe.conversion.upcycle` to an 8-expert top-2 MoE of full-size experts with a random
+router (`upcycle_moe`; Komatsuzaki et al.'s sparse upcycling, which costs more FLOPs per token); the upcycled model's
+logits are checked equal to the dense model's before training.
+
+Training: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup then cosine decay to 10% of the peak,
+gradient clipping at 1.0, the model's own loss (LM + router aux 0.01 + z-loss 0.001). Reported validation loss is the
+LM cross-entropy alone. FLOPs are counted analytically (see `flops_per_token`): training = 3 x forward.
+
+Every finished (arm, seed) run is written to the results JSON at once (benchmarks/results/quality_<setting>.json by
+default); a rerun skips the runs found there, so an interrupted run continues where it stopped. The report (markdown
+table and a PNG of the curves) is rewritten after every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
+import hashlib
 import json
+import math
+import os
+import platform
 import statistics
+import sys
+import sysconfig
+import time
 from pathlib import Path
 
 import torch
-from transformers import GPT2Config
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from hf_ppmoe import GPTMoEConfig
-from hf_ppmoe.training import TrainArguments, main
-from hf_ppmoe.training.data import builtin_corpus, train_tokenizer
-from hf_ppmoe.training.tracking import read_jsonl
+from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
+from hf_ppmoe.conversion import upcycle
+from hf_ppmoe.moe import MoELayer
+from hf_ppmoe.training.data import train_tokenizer
+from hf_ppmoe.training.tracking import RouterMonitor
+
+RESULTS = Path(__file__).parent / "results"
+VAL_EVERY = 20  # every 20th file (in SHA-1 order of the relative path) is validation: 5%
 
 
-def run(out: Path, args, seed: int | None = None, **kwargs) -> dict:
-    summary = main(
-        TrainArguments(
-            output_dir=str(out), tokenizer_name=str(args.out / "tokenizer"), max_steps=args.steps,
-            per_device_train_batch_size=args.batch_size, block_size=args.block_size, learning_rate=args.lr,
-            warmup_steps=args.steps // 10, eval_steps=args.steps, eval_batches=0, logging_steps=1, plots=False,
-            seed=args.seed if seed is None else seed, **kwargs,
-        )
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    hidden: int
+    layers: int
+    heads: int
+    block: int  # tokens per sequence
+    batch: int  # sequences per step
+    vocab: int
+    steps: int
+    upcycle_steps: int
+    evals: int  # validation points after step 0
+    eval_blocks: int  # validation windows of `block` tokens
+    lr: float
+    warmup: int
+    seeds: int
+    device: str = "cpu"
+    bf16: bool = False
+    max_files: int | None = None  # the first N stdlib files in path order (smoke runs only)
+    arms: tuple[str, ...] | None = None  # None: every arm in ARMS
+
+    def compatible(self) -> dict:
+        """The fields a cached run must share with this setting (more seeds or arms may be added later)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("seeds", "arms")}
+
+
+SETTINGS = {
+    # ~1.2M tokens per run (600 steps x 16 x 128), 2.5M-parameter MoEs; about 1 hour on 2 quiet CPU cores
+    "cpu": Setting(hidden=96, layers=4, heads=3, block=128, batch=16, vocab=2048, steps=600, upcycle_steps=300,
+                   evals=10, eval_blocks=192, lr=2e-3, warmup=40, seeds=3),
+    # ~33M tokens per run (2000 steps x 64 x 256), ~20M-parameter MoEs, 5 seeds; one GPU
+    "full": Setting(hidden=256, layers=4, heads=4, block=256, batch=64, vocab=8192, steps=2000, upcycle_steps=1000,
+                    evals=20, eval_blocks=1024, lr=1e-3, warmup=100, seeds=5, device="cuda", bf16=True),
+    "smoke": Setting(hidden=32, layers=2, heads=2, block=32, batch=4, vocab=320, steps=4, upcycle_steps=2, evals=2,
+                     eval_blocks=4, lr=1e-3, warmup=1, seeds=1, max_files=30, arms=("dense", "switch")),
+}
+
+
+# ------------------------------------------------------------------------------------------------------- corpus
+
+
+def stdlib_files() -> tuple[Path, list[str]]:
+    """The standard library folder and its .py files (relative paths, sorted), without site-packages."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for folder, subfolders, names in os.walk(root):
+        if Path(folder) == root:
+            subfolders[:] = [d for d in subfolders if d != "site-packages"]  # installed packages, not the stdlib
+        files += [(Path(folder) / n).relative_to(root).as_posix() for n in names if n.endswith(".py")]
+    files.sort()
+    if not files:
+        raise FileNotFoundError(f"no .py files under the standard library folder {root}; this Python ships no sources")
+    return root, files
+
+
+def split_files(files: list[str]) -> tuple[list[str], list[str]]:
+    """(train, validation) file lists: every VAL_EVERY-th file in the order of the SHA-1 of its path (stable under
+    Python versions' added or removed files, and never empty)."""
+    by_hash = sorted(files, key=lambda f: hashlib.sha1(f.encode()).hexdigest())
+    val = set(by_hash[::VAL_EVERY])
+    return [f for f in files if f not in val], [f for f in files if f in val]
+
+
+def corpus(setting: Setting, work: Path) -> dict:
+    """Tokenizer and token streams (cached in `work`): {"train", "val": int32 tensors, "tokenizer", "stats"}."""
+    root, files = stdlib_files()
+    files = files[: setting.max_files]
+    key = hashlib.sha1(json.dumps([files, setting.vocab, platform.python_version()]).encode()).hexdigest()[:12]
+    folder = work / f"corpus-{key}"
+    if not (folder / "stats.json").exists():
+        train_files, val_files = split_files(files)
+        read = lambda names: [(root / f).read_text(encoding="utf-8", errors="replace") for f in names]  # noqa: E731
+        train_texts, val_texts = read(train_files), read(val_files)
+        tokenizer = train_tokenizer(train_texts, vocab_size=setting.vocab)
+        eos = tokenizer.eos_token_id
+
+        def encode(texts):
+            encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
+            return torch.tensor([i for e in encodings for i in [*e.ids, eos]], dtype=torch.int32)
+
+        tokens = {"train": encode(train_texts), "val": encode(val_texts)}
+        stats = {
+            "stdlib": str(root), "python": platform.python_version(), "files": len(files),
+            "train_files": train_files, "val_files": val_files,
+            "train_bytes": sum(len(t.encode()) for t in train_texts), "val_bytes": sum(len(t.encode()) for t in val_texts),
+            "train_tokens": len(tokens["train"]), "val_tokens": len(tokens["val"]), "vocab_size": len(tokenizer),
+        }
+        folder.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(folder / "tokenizer")
+        torch.save(tokens, folder / "tokens.pt")
+        (folder / "stats.json").write_text(json.dumps(stats, indent=1))  # last: marks the cache complete
+    stats = json.loads((folder / "stats.json").read_text())
+    tokens = torch.load(folder / "tokens.pt")
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
+    return {**tokens, "tokenizer": tokenizer, "stats": stats}
+
+
+# -------------------------------------------------------------------------------------------------------- arms
+
+
+def base_config(s: Setting, tokenizer) -> dict:
+    return dict(
+        vocab_size=len(tokenizer), hidden_size=s.hidden, intermediate_size=4 * s.hidden, num_hidden_layers=s.layers,
+        num_attention_heads=s.heads, max_position_embeddings=s.block, pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
     )
-    speeds = [r["train/tokens_per_second"] for r in read_jsonl(out / "logs" / "metrics.jsonl") if "train/tokens_per_second" in r]
-    summary["ms_per_step"] = 1000 * args.batch_size * args.block_size / statistics.median(speeds[1:] or speeds)
-    return summary
 
 
-def main_cli():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch_size", type=int, default=16)
-    parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("/tmp/hf-ppmoe-quality"))
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(builtin_corpus())
-    tokenizer.save_pretrained(args.out / "tokenizer")
-    F = 4 * args.hidden
+def moe(router_type: str, experts: int, k: int, **extra):
+    return lambda F: dict(router_type=router_type, num_experts=experts, num_experts_per_tok=k,
+                          moe_intermediate_size=F // k, **extra)
 
-    def config(name: str, **moe) -> str:
-        path = args.out / f"{name}.json"
-        GPTMoEConfig(
-            vocab_size=len(tokenizer), hidden_size=args.hidden, intermediate_size=F, num_hidden_layers=args.layers,
-            num_attention_heads=args.hidden // 32, max_position_embeddings=args.block_size, num_experts=8,
-            pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, **moe,
-        ).to_json_file(path)
-        return str(path)
 
-    variants = {
-        "dense (FFN inner F)": config("dense", moe_layers=[]),
-        "top-1 Switch (experts F)": config("switch", router_type="switch", num_experts_per_tok=1),
-        "top-2 (experts F/2)": config("top2", router_type="topk", num_experts_per_tok=2, moe_intermediate_size=F // 2),
-        "GShard top-2, capacity 1.25 (experts F/2)": config(
-            "gshard", router_type="gshard", num_experts_per_tok=2, capacity_factor=1.25, moe_intermediate_size=F // 2
-        ),
-        "M6-T 2 top-1 prototypes (experts F/2)": config(
-            "prototype", router_type="prototype", num_experts_per_tok=2, moe_intermediate_size=F // 2
-        ),
+# name -> (description, GPT-MoE fields as a function of the dense FFN size F)
+ARMS = {
+    "dense": ("dense, FFN F", lambda F: dict(moe_layers=[])),
+    "dense_wide": ("dense, FFN 8F in MoE places (= MoE params)", lambda F: dict(
+        router_type="topk", num_experts=1, num_experts_per_tok=1, moe_intermediate_size=8 * F,
+        router_aux_loss_coef=0.0, router_z_loss_coef=0.0)),
+    "switch": ("switch top-1, 8 x F", moe("switch", 8, 1)),
+    "top2": ("topk top-2, 16 x F/2", moe("topk", 16, 2)),
+    "top2_m6t": ("topk top-2 m6t weights, 16 x F/2", moe("topk", 16, 2, topk_weighting="m6t")),
+    "gshard_c1.25": ("gshard capacity 1.25, 16 x F/2", moe("gshard", 16, 2, capacity_factor=1.25)),
+    "gshard_c2.0": ("gshard capacity 2.0, 16 x F/2", moe("gshard", 16, 2, capacity_factor=2.0)),
+    "proto2": ("prototype k=2, 2 x 8 x F/2", moe("prototype", 16, 2)),
+    "proto4": ("prototype k=4, 4 x 8 x F/4", moe("prototype", 32, 4)),
+}
+UPCYCLE_ARMS = {
+    "upcycle_dense": "dense checkpoint, continued dense",
+    "upcycle_moe": "dense checkpoint upcycled: topk top-2, 8 x F",
+}
+UPCYCLE = dict(num_experts=8, num_experts_per_tok=2, router_type="topk", router_init="random")
+
+
+def flops_per_token(config, block: int) -> dict:
+    """Analytic FLOPs per token of a GPT-MoE (2 per multiply-add): projections, causal attention mixing (average
+    context block / 2 for QK^T and for AV), FFNs (k routes of the experts' size in MoE layers), routers, LM head.
+    Training counts 3 x forward (the backward pass is twice the forward)."""
+    d, hd = config.hidden_size, config.head_dim or config.hidden_size // config.num_attention_heads
+    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+    matrices = 3 if config.gated_mlp else 2
+    attention = ffn = router = 0
+    for i in range(config.num_hidden_layers):
+        attention += 2 * d * (2 * q + 2 * kv) + 2 * block * q
+        if config.is_moe_layer(i):
+            inner = config.moe_intermediate_size or config.intermediate_size
+            ffn += 2 * matrices * d * inner * config.num_experts_per_tok
+            router += 2 * d * config.num_experts
+        else:
+            ffn += 2 * matrices * d * config.intermediate_size
+    forward = attention + ffn + router + 2 * d * config.vocab_size
+    return {"attention": attention, "ffn": ffn, "router": router, "forward": forward, "train": 3 * forward}
+
+
+def parameters(model) -> dict:
+    """Total parameters and those one token uses (an MoE layer's unused experts excluded)."""
+    total = sum(p.numel() for p in model.parameters())
+    unused = 0
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            E, k = module.experts.num_experts, model.config.num_experts_per_tok
+            unused += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
+    return {"total": total, "active": total - unused}
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+
+def windows(stream: torch.Tensor, starts: torch.Tensor, block: int) -> torch.Tensor:
+    return stream[starts[:, None] + torch.arange(block)].long()
+
+
+@torch.no_grad()
+def evaluate(model, blocks: torch.Tensor, s: Setting) -> float:
+    """Mean LM cross-entropy (next-token, router losses excluded) over the validation windows."""
+    model.eval()
+    total = torch.zeros((), device=s.device, dtype=torch.float64)
+    for x in blocks.split(s.batch):
+        x = x.to(s.device)
+        with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
+            logits = model(x).logits
+        total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum")
+    model.train()
+    return (total / (blocks.shape[0] * (blocks.shape[1] - 1))).item()
+
+
+def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str = "") -> dict:
+    """Train `model` for `steps` steps on random train windows drawn with `data_seed`; validation loss every
+    steps / evals steps (and at step 0), router statistics and timing."""
+    model.to(s.device).train()
+    matrices = [p for p in model.parameters() if p.ndim >= 2]
+    others = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
+                                  lr=s.lr, betas=(0.9, 0.95))
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, s.warmup, steps, min_lr_rate=0.1)
+    generator = torch.Generator().manual_seed(data_seed)
+    val = data["val"]
+    val_blocks = windows(val, torch.linspace(0, len(val) - s.block - 1, s.eval_blocks).long(), s.block)
+    config, monitor = model.config, RouterMonitor(model)
+    flops = flops_per_token(config, s.block)["train"]
+    eval_at = {round(steps * i / s.evals) for i in range(s.evals + 1)}
+    curve, train_loss, timed = [], torch.zeros((), device=s.device), {"steps": 0, "wall": 0.0, "cpu": 0.0}
+    interval = [0, time.perf_counter(), time.process_time()]  # steps, wall, cpu at the last evaluation
+    for step in range(steps + 1):
+        if step in eval_at:
+            if s.device == "cuda":
+                torch.cuda.synchronize()
+            wall, cpu = time.perf_counter(), time.process_time()
+            if interval[0] > 0:  # the first interval (allocator, kernel selection) is left out of the timing
+                timed["steps"] += step - interval[0]
+                timed["wall"] += wall - interval[1]
+                timed["cpu"] += cpu - interval[2]
+            router = monitor.collect()
+            point = {"step": step, "tokens": step * s.batch * s.block, "flops": step * s.batch * s.block * flops,
+                     "val_loss": evaluate(model, val_blocks, s),
+                     "train_loss": (train_loss / (step - interval[0])).item() if step else None}
+            if router:
+                point["expert_load_cv"] = statistics.mean(v for k, v in router.items() if k.startswith("expert_load"))
+                point["dropped"] = statistics.mean(v for k, v in router.items() if k.startswith("dropped"))
+            if not math.isfinite(point["val_loss"]):
+                raise RuntimeError(f"validation loss is {point['val_loss']} at step {step}: the run diverged")
+            curve.append(point)
+            print(f"{label:>20} step {step:5d}/{steps}: val loss {point['val_loss']:.4f}", flush=True)
+            train_loss.zero_()
+            interval = [step, time.perf_counter(), time.process_time()]
+        if step == steps:
+            break
+        x = windows(data["train"], torch.randint(len(data["train"]) - s.block, (s.batch,), generator=generator), s.block)
+        x = x.to(s.device, non_blocking=True)
+        with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
+            out = model(x, labels=x)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        lm = out.loss.detach()
+        if out.aux_loss is not None:
+            lm = lm - config.router_aux_loss_coef * out.aux_loss.detach() - config.router_z_loss_coef * out.z_loss.detach()
+        train_loss += lm
+    monitor.remove()
+    tokens = timed["steps"] * s.batch * s.block
+    return {
+        "val_loss": curve[-1]["val_loss"], "curve": curve, "flops_per_token": flops_per_token(config, s.block),
+        "params": parameters(model), "train_tokens": steps * s.batch * s.block,
+        "tokens_per_s": tokens / timed["wall"] if timed["wall"] else None,
+        "tokens_per_cpu_s": tokens / timed["cpu"] if timed["cpu"] else None,
     }
-    results = {name: run(args.out / Path(path).stem, args, config_name=path) for name, path in variants.items()}
-    print(f"\n{args.steps} steps, batch {args.batch_size} x {args.block_size} tokens, hidden {args.hidden}, "
-          f"{args.layers} layers, 8 experts on every other layer, equal active FFN FLOPs per token, {args.threads} threads")
-    print("| model | eval loss | ms / step |\n|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['eval/loss']:.4f} | {r['ms_per_step']:.0f} |")
 
-    GPT2Config(
-        vocab_size=len(tokenizer), n_embd=args.hidden, n_layer=args.layers, n_head=args.hidden // 32,
-        n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ).to_json_file(args.out / "gpt2.json")
-    dense = run(args.out / "pretrain", args, config_name=str(args.out / "gpt2.json"))
-    continued = run(args.out / "continued", args, model_name_or_path=str(args.out / "pretrain"), seed=args.seed + 1)
-    upcycled = run(args.out / "upcycled", args, upcycle_from=str(args.out / "pretrain"), seed=args.seed + 1,
-                   num_experts=8, num_experts_per_tok=2, router_type="topk", router_init="random")
-    print(f"\nupcycling: dense pre-training {args.steps} steps (eval loss {dense['eval/loss']:.4f}), then {args.steps} more steps")
-    print("| continuation | eval loss | ms / step |\n|---|---|---|")
-    print(f"| dense, continued | {continued['eval/loss']:.4f} | {continued['ms_per_step']:.0f} |")
-    print(f"| upcycled to 8 experts, top-2 (experts F) | {upcycled['eval/loss']:.4f} | {upcycled['ms_per_step']:.0f} |")
-    (args.out / "results.json").write_text(json.dumps({"routing": results, "upcycling": {
-        "pretrain": dense, "continued": continued, "upcycled": upcycled}}, indent=2, default=str))
+
+# ------------------------------------------------------------------------------------------------------ the runs
+
+
+def build(s: Setting, tokenizer, arm: str, seed: int) -> GPTMoEForCausalLM:
+    torch.manual_seed(seed)  # same seed, same initial embeddings / attention for every arm
+    return GPTMoEForCausalLM(GPTMoEConfig(**base_config(s, tokenizer), **ARMS[arm][1](4 * s.hidden)))
+
+
+def upcycle_from(dense: GPTMoEForCausalLM, seed: int, check: torch.Tensor) -> tuple[GPTMoEForCausalLM, float]:
+    """The dense GPT-MoE as the Llama model it equals (same weight names), upcycled by hf_ppmoe.conversion; returns
+    the MoE and the largest logit difference to the dense model on `check`."""
+    c = dense.config
+    llama = LlamaForCausalLM(LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.layer_norm_eps, hidden_act=c.hidden_act, tie_word_embeddings=False,
+        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
+    ))
+    llama.load_state_dict(dense.state_dict())
+    moe_model = upcycle(llama, seed=seed, **UPCYCLE)
+    with torch.no_grad():
+        models = [m.eval() for m in (dense, llama, moe_model)]
+        reference, *others = [m(check).logits for m in models]
+        gap = max((o - reference).abs().max().item() for o in others)
+    dense.train()
+    return moe_model.train(), gap
+
+
+def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[int], arms: list[str]) -> list[str]:
+    """Train every missing (arm, seed) of `arms` and the upcycling pair, saving each into `results_path` as it
+    finishes; returns the keys trained by this call."""
+    data = corpus(s, work)
+    stats = {k: v for k, v in data["stats"].items() if not k.endswith("_files")}
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
+    if results and (results["setting"] != s.compatible() or results["corpus"] != stats):
+        old = {**results["setting"], **results["corpus"]}
+        differ = sorted(k for k, v in {**s.compatible(), **stats}.items() if old.get(k) != v)
+        raise SystemExit(f"{results_path} holds runs of another setting or corpus (differs in {', '.join(differ)}); "
+                         "pass --results with a new file, or delete it to start over.")
+    results = {"setting": s.compatible(), "corpus": stats, "environment": {
+        "python": platform.python_version(), "torch": torch.__version__, "device": device_name(s),
+        "threads": torch.get_num_threads()}, "runs": results.get("runs", {})}
+    trained = []
+
+    def save(key: str, record: dict) -> None:
+        results["runs"][key] = record
+        trained.append(key)
+        tmp = results_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(results, indent=1))
+        tmp.replace(results_path)  # an interruption never leaves a half-written results file
+        write_report(results, name, results_path)
+        r = record
+        print(f"{key:>20}: val loss {r['val_loss']:.4f}, {r['train_tokens'] / 1e6:.2f}M tokens, "
+              f"{r['tokens_per_s'] or 0:.0f} tokens/s, {r['wall_s']:.0f} s ({r['cpu_s']:.0f} CPU-s)", flush=True)
+
+    def fit(key: str, model, steps: int, data_seed: int, **extra) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        record = train(model, data, s, steps, data_seed, label=key)
+        save(key, {**record, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu, **extra})
+
+    check = windows(data["val"], torch.arange(2) * s.block, s.block)
+    for seed in seeds:
+        for arm in arms:
+            if f"{arm}/{seed}" in results["runs"]:
+                continue
+            model = build(s, data["tokenizer"], arm, seed)
+            fit(f"{arm}/{seed}", model, s.steps, seed)
+            if arm == "dense":
+                model.save_pretrained(work / f"{name}-dense-{seed}")
+        if not all(f"{arm}/{seed}" in results["runs"] for arm in UPCYCLE_ARMS):
+            checkpoint = work / f"{name}-dense-{seed}"
+            if not checkpoint.exists():  # results cached but the checkpoint gone (another machine): train it again
+                model = build(s, data["tokenizer"], "dense", seed)
+                fit(f"dense/{seed}", model, s.steps, seed)
+                model.save_pretrained(checkpoint)
+            dense = GPTMoEForCausalLM.from_pretrained(checkpoint)
+            moe_model, gap = upcycle_from(dense, seed, check)
+            if gap > 1e-4:
+                raise RuntimeError(f"the upcycled model's logits differ from the dense model's by {gap:.2e}")
+            for arm, model in (("upcycle_dense", dense), ("upcycle_moe", moe_model)):
+                if f"{arm}/{seed}" not in results["runs"]:
+                    fit(f"{arm}/{seed}", model, s.upcycle_steps, seed + 1000, logit_gap=gap)
+    write_report(results, name, results_path)
+    return trained
+
+
+def device_name(s: Setting) -> str:
+    if s.device == "cuda":
+        return torch.cuda.get_device_name()
+    return f"{platform.processor() or platform.machine()} CPU, {os.cpu_count()} cores"
+
+
+# ------------------------------------------------------------------------------------------------------- report
+
+T95 = [6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812]  # one-sided 95% t, df = 1..10
+
+# (claim, arm, baseline): the claim is that `arm` reaches a LOWER validation loss than `baseline`
+CLAIMS = [
+    ("MoE (switch top-1) beats dense at equal active FLOPs", "switch", "dense"),
+    ("MoE (topk top-2) beats dense at equal active FLOPs", "top2", "dense"),
+    ("MoE (gshard, capacity 1.25) beats dense at equal active FLOPs", "gshard_c1.25", "dense"),
+    ("MoE (prototype k=2) beats dense at equal active FLOPs", "proto2", "dense"),
+    ("top-2 beats top-1 (equal FLOPs and parameters)", "top2", "switch"),
+    ("M6-T weighting beats renormalised top-2", "top2_m6t", "top2"),
+    ("prototyping k=2 matches or beats top-2", "proto2", "top2"),
+    ("prototyping k=4 matches or beats top-2", "proto4", "top2"),
+    ("GShard capacity 2.0 beats 1.25", "gshard_c2.0", "gshard_c1.25"),
+    ("upcycling beats continued dense training", "upcycle_moe", "upcycle_dense"),
+    ("dense with the MoEs' parameters (8x FFN FLOPs there) beats top-2", "dense_wide", "top2"),
+]
+
+
+def summary(values: list[float]) -> dict:
+    return {"n": len(values), "mean": statistics.mean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "min": min(values), "max": max(values)}
+
+
+def by_arm(runs: dict) -> dict[str, dict[int, dict]]:
+    arms: dict[str, dict[int, dict]] = {}
+    for key, record in runs.items():
+        arm, seed = key.rsplit("/", 1)
+        arms.setdefault(arm, {})[int(seed)] = record
+    return arms
+
+
+def paired(arms: dict, arm: str, baseline: str) -> list[float]:
+    """Per-seed differences of the final validation loss, arm - baseline, over the seeds both have."""
+    seeds = sorted(set(arms.get(arm, {})) & set(arms.get(baseline, {})))
+    return [arms[arm][i]["val_loss"] - arms[baseline][i]["val_loss"] for i in seeds]
+
+
+def verdict(diffs: list[float]) -> str:
+    """Paired one-sided t-test at 5% for 'arm is lower' (and for the reverse)."""
+    if len(diffs) < 2:
+        return "one seed: no test"
+    d = summary(diffs)
+    t = d["mean"] / (d["std"] / math.sqrt(d["n"])) if d["std"] > 0 else math.copysign(math.inf, d["mean"])
+    critical = T95[min(d["n"] - 1, len(T95)) - 1]
+    return "**yes**" if t < -critical else "**reversed**" if t > critical else "null (not resolved)"
+
+
+def write_report(results: dict, name: str, results_path: Path) -> None:
+    """A markdown table (`<results>.md`) and the curves (`<results>.png`) of every finished run."""
+    arms = by_arm(results["runs"])
+    s, c = results["setting"], results["corpus"]
+    lines = [
+        f"# benchmarks/quality.py, setting `{name}`", "",
+        f"Corpus: CPython {c['python']} standard library, {c['files']} .py files ({len(results['runs'])} runs done); "
+        f"train {c['train_tokens']:,} tokens ({c['train_bytes'] / 1e6:.1f} MB), validation {c['val_tokens']:,} tokens "
+        f"({c['val_bytes'] / 1e6:.1f} MB), byte-level BPE vocabulary {c['vocab_size']} fitted on train.",
+        f"Model: hidden {s['hidden']}, {s['layers']} layers, {s['heads']} heads, MoE on every other layer; "
+        f"{s['steps']} steps of {s['batch']} x {s['block']} tokens ({s['steps'] * s['batch'] * s['block'] / 1e6:.2f}M "
+        f"tokens, {s['steps'] * s['batch'] * s['block'] / c['train_tokens']:.2f} epochs); validation on "
+        f"{s['eval_blocks'] * s['block']:,} tokens; {results['environment']['device']}, "
+        f"{'bf16 autocast' if s['bf16'] else 'float32'}. Loss: validation LM cross-entropy at the end "
+        "(mean, sample std, min-max over seeds); delta: paired per seed against the baseline.", "",
+        "| arm | what | params total / active | train MFLOPs / token | seeds | val loss mean | std | min - max "
+        "| delta vs dense (mean +- std) | tokens/s | dropped routes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, what in [*((a, d) for a, (d, _) in ARMS.items()), *UPCYCLE_ARMS.items()]:
+        if arm not in arms:
+            continue
+        seeds = arms[arm]
+        loss = summary([r["val_loss"] for r in seeds.values()])
+        first = next(iter(seeds.values()))
+        baseline = "upcycle_dense" if arm.startswith("upcycle") else "dense"
+        d = paired(arms, arm, baseline)
+        delta = f"{statistics.mean(d):+.4f} +- {statistics.stdev(d) if len(d) > 1 else 0:.4f}" if d and arm != baseline else "-"
+        speed = statistics.median(r["tokens_per_s"] for r in seeds.values() if r["tokens_per_s"])
+        dropped = [r["curve"][-1]["dropped"] for r in seeds.values() if "dropped" in r["curve"][-1]]
+        lines.append(
+            f"| {arm} | {what} | {first['params']['total'] / 1e6:.2f}M / {first['params']['active'] / 1e6:.2f}M "
+            f"| {first['flops_per_token']['train'] / 1e6:.2f} | {loss['n']} | {loss['mean']:.4f} | {loss['std']:.4f} "
+            f"| {loss['min']:.4f} - {loss['max']:.4f} | {delta} | {speed:,.0f} "
+            f"| {f'{statistics.mean(dropped):.3f}' if dropped else '-'} |"
+        )
+    lines += ["", "Claims (paired one-sided t-test at 5% over seeds; 'null': the spread does not resolve the sign):", "",
+              "| claim | arm - baseline, per seed | mean +- std | verdict |", "|---|---|---|---|"]
+    for claim, arm, baseline in CLAIMS:
+        d = paired(arms, arm, baseline)
+        if d:
+            lines.append(f"| {claim} | {', '.join(f'{x:+.4f}' for x in d)} | {statistics.mean(d):+.4f} +- "
+                         f"{statistics.stdev(d) if len(d) > 1 else 0:.4f} | {verdict(d)} |")
+    results_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    plot(arms, results_path.with_suffix(".png"), name)
+
+
+def plot(arms: dict, path: Path, name: str) -> None:
+    """Validation loss against tokens and against training FLOPs (mean over seeds, min-max band), the paired
+    difference to dense against tokens, and the upcycling continuation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def band(ax, records, x="tokens", minus=None, **style):
+        xs = [p[x] for p in records[0]["curve"]]
+        ys = [[p["val_loss"] - (m["curve"][i]["val_loss"] if m else 0) for i, p in enumerate(r["curve"])]
+              for r, m in zip(records, minus or [None] * len(records))]
+        mean = [statistics.mean(col) for col in zip(*ys)]
+        ax.plot(xs, mean, **style)
+        if len(ys) > 1:
+            ax.fill_between(xs, [min(col) for col in zip(*ys)], [max(col) for col in zip(*ys)], alpha=0.15,
+                            color=ax.lines[-1].get_color())
+        return mean
+
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8))
+    routing = [a for a in ARMS if a in arms]
+    tail = []
+    for arm in routing:
+        records = list(arms[arm].values())
+        mean = band(axes[0, 0], records, label=arm)
+        band(axes[0, 1], records, x="flops", label=arm)
+        tail += mean[len(mean) // 4:]
+        if arm != "dense" and "dense" in arms:
+            seeds = sorted(set(arms[arm]) & set(arms["dense"]))
+            band(axes[1, 0], [arms[arm][i] for i in seeds], minus=[arms["dense"][i] for i in seeds], label=arm)
+    for ax in axes[0]:
+        if tail:
+            ax.set_ylim(min(tail) - 0.05, max(tail) + 0.05)
+    for arm in UPCYCLE_ARMS:
+        if arm in arms:
+            band(axes[1, 1], list(arms[arm].values()), label=arm)
+    titles = [("validation loss vs training tokens", "tokens", "validation loss"),
+              ("validation loss vs training FLOPs (analytic)", "FLOPs", "validation loss"),
+              ("paired difference to dense (same seed), < 0: better", "tokens", "val loss - dense val loss"),
+              ("upcycling: continuation of the dense checkpoint", "continuation tokens", "validation loss")]
+    for ax, (title, xlabel, ylabel) in zip(axes.flat, titles):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=7)
+    axes[1, 0].axhline(0, color="black", lw=0.8)
+    fig.suptitle(f"benchmarks/quality.py, setting {name}: mean over seeds, band = min-max")
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--full", action="store_const", dest="setting", const="full", help="GPU, bf16, full scale")
+    group.add_argument("--smoke", action="store_const", dest="setting", const="smoke", help="seconds, for the test")
+    parser.add_argument("--seeds", type=int, help="seeds 0..N-1 (default: the setting's)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), help="a subset of the arms (default: the setting's)")
+    parser.add_argument("--results", type=Path, help="results JSON (default benchmarks/results/quality_<setting>.json)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/hf-ppmoe-quality"), help="corpus cache, checkpoints")
+    parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    args = parser.parse_args(argv)
+    name = args.setting or "cpu"
+    s = SETTINGS[name]
+    if s.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--full runs on a CUDA GPU and none is available here; the default setting runs on the CPU.")
+    torch.set_num_threads(args.threads)
+    results_path = args.results or RESULTS / f"quality_{name}.json"
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    seeds = list(range(args.seeds or s.seeds))
+    return run_all(s, name, results_path, args.work, seeds, args.arms or list(s.arms or ARMS))
 
 
 if __name__ == "__main__":
-    main_cli()
+    main(sys.argv[1:])
