@@ -95,9 +95,9 @@ class Setting:
 
 
 SETTINGS = {
-    # ~1.2M tokens per run (600 steps x 16 x 128), 2.5M-parameter MoEs; about 1 hour on 2 quiet CPU cores
-    "cpu": Setting(hidden=96, layers=4, heads=3, block=128, batch=16, vocab=2048, steps=600, upcycle_steps=300,
-                   evals=10, eval_blocks=192, lr=2e-3, warmup=40, seeds=3),
+    # ~1M tokens per run (500 steps x 16 x 128), 1.2M-parameter MoEs (0.5M dense); ~30 min on 2 quiet CPU cores
+    "cpu": Setting(hidden=64, layers=4, heads=2, block=128, batch=16, vocab=2048, steps=500, upcycle_steps=250,
+                   evals=10, eval_blocks=160, lr=3e-3, warmup=30, seeds=3),
     # ~33M tokens per run (2000 steps x 64 x 256), ~20M-parameter MoEs, 5 seeds; one GPU
     "full": Setting(hidden=256, layers=4, heads=4, block=256, batch=64, vocab=8192, steps=2000, upcycle_steps=1000,
                     evals=20, eval_blocks=1024, lr=1e-3, warmup=100, seeds=5, device="cuda", bf16=True),
@@ -358,9 +358,10 @@ def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[i
         differ = sorted(k for k, v in {**s.compatible(), **stats}.items() if old.get(k) != v)
         raise SystemExit(f"{results_path} holds runs of another setting or corpus (differs in {', '.join(differ)}); "
                          "pass --results with a new file, or delete it to start over.")
-    results = {"setting": s.compatible(), "corpus": stats, "environment": {
-        "python": platform.python_version(), "torch": torch.__version__, "device": device_name(s),
-        "threads": torch.get_num_threads()}, "runs": results.get("runs", {})}
+    environment = {"python": platform.python_version(), "torch": torch.__version__, "device": device_name(s),
+                   "threads": torch.get_num_threads()}  # of the first call: the one that made the runs, mostly
+    results = {"setting": s.compatible(), "corpus": stats, "environment": results.get("environment", environment),
+               "runs": results.get("runs", {})}
     trained = []
 
     def save(key: str, record: dict) -> None:
@@ -464,6 +465,7 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
     """A markdown table (`<results>.md`) and the curves (`<results>.png`) of every finished run."""
     arms = by_arm(results["runs"])
     s, c = results["setting"], results["corpus"]
+    wall, cpu = (sum(r[k] for r in results["runs"].values()) for k in ("wall_s", "cpu_s"))
     lines = [
         f"# benchmarks/quality.py, setting `{name}`", "",
         f"Corpus: CPython {c['python']} standard library, {c['files']} .py files ({len(results['runs'])} runs done); "
@@ -474,10 +476,12 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
         f"tokens, {s['steps'] * s['batch'] * s['block'] / c['train_tokens']:.2f} epochs); validation on "
         f"{s['eval_blocks'] * s['block']:,} tokens; {results['environment']['device']}, "
         f"{'bf16 autocast' if s['bf16'] else 'float32'}. Loss: validation LM cross-entropy at the end "
-        "(mean, sample std, min-max over seeds); delta: paired per seed against the baseline.", "",
+        "(mean, sample std, min-max over seeds); delta: paired per seed against the baseline. "
+        f"{results['environment']['threads']} thread(s); the runs took {wall / 3600:.2f} h wall, {cpu / 3600:.2f} "
+        "CPU-hours.", "",
         "| arm | what | params total / active | train MFLOPs / token | seeds | val loss mean | std | min - max "
-        "| delta vs dense (mean +- std) | tokens/s | dropped routes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| delta vs dense (mean +- std) | tokens/s | tokens / CPU-s | dropped routes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, what in [*((a, d) for a, (d, _) in ARMS.items()), *UPCYCLE_ARMS.items()]:
         if arm not in arms:
@@ -488,12 +492,12 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
         baseline = "upcycle_dense" if arm.startswith("upcycle") else "dense"
         d = paired(arms, arm, baseline)
         delta = f"{statistics.mean(d):+.4f} +- {statistics.stdev(d) if len(d) > 1 else 0:.4f}" if d and arm != baseline else "-"
-        speed = statistics.median(r["tokens_per_s"] for r in seeds.values() if r["tokens_per_s"])
+        speed = [statistics.median(r[k] for r in seeds.values() if r[k]) for k in ("tokens_per_s", "tokens_per_cpu_s")]
         dropped = [r["curve"][-1]["dropped"] for r in seeds.values() if "dropped" in r["curve"][-1]]
         lines.append(
             f"| {arm} | {what} | {first['params']['total'] / 1e6:.2f}M / {first['params']['active'] / 1e6:.2f}M "
             f"| {first['flops_per_token']['train'] / 1e6:.2f} | {loss['n']} | {loss['mean']:.4f} | {loss['std']:.4f} "
-            f"| {loss['min']:.4f} - {loss['max']:.4f} | {delta} | {speed:,.0f} "
+            f"| {loss['min']:.4f} - {loss['max']:.4f} | {delta} | {speed[0]:,.0f} | {speed[1]:,.0f} "
             f"| {f'{statistics.mean(dropped):.3f}' if dropped else '-'} |"
         )
     lines += ["", "Claims (paired one-sided t-test at 5% over seeds; 'null': the spread does not resolve the sign):", "",
@@ -574,6 +578,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--results", type=Path, help="results JSON (default benchmarks/results/quality_<setting>.json)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/hf-ppmoe-quality"), help="corpus cache, checkpoints")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads")
+    parser.add_argument("--report", action="store_true", help="only rewrite the report from the results JSON")
     args = parser.parse_args(argv)
     name = args.setting or "cpu"
     s = SETTINGS[name]
@@ -581,6 +586,9 @@ def main(argv: list[str] | None = None) -> list[str]:
         raise SystemExit("--full runs on a CUDA GPU and none is available here; the default setting runs on the CPU.")
     torch.set_num_threads(args.threads)
     results_path = args.results or RESULTS / f"quality_{name}.json"
+    if args.report:
+        write_report(json.loads(results_path.read_text()), name, results_path)
+        return []
     results_path.parent.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     seeds = list(range(args.seeds or s.seeds))

@@ -78,6 +78,8 @@ def test_smoke_run_end_to_end_and_resume(quality, tmp_path, monkeypatch):
     assert runs["upcycle_moe/0"]["logit_gap"] < 1e-4
 
     assert quality.main(args) == [], "a rerun finds every run in the results file"
+    results.with_suffix(".md").unlink()
+    assert quality.main([*args, "--report"]) == [] and results.with_suffix(".md").exists()
     assert json.loads(results.read_text())["runs"] == runs
     monkeypatch.setitem(quality.SETTINGS, "smoke", dataclasses.replace(s, lr=2 * s.lr))
     with pytest.raises(SystemExit, match="another setting or corpus .*lr"):
