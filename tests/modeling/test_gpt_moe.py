@@ -37,7 +37,7 @@ def test_generate_with_cache_equals_without(style, gate):
     # and incremental logits equal a full forward
     full = model(with_cache).logits[:, -1]
     out = model(with_cache[:, :-1], use_cache=True)
-    step = model(with_cache[:, -1:], past_key_values=out.past_key_values).logits[:, -1]
+    step = model(with_cache[:, -1:], cache=out.cache).logits[:, -1]
     torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-4)
 
 
