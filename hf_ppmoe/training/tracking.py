@@ -221,11 +221,12 @@ def plot_expert_share(panels: dict[str, dict[str, list[float]]], path) -> None:
     plt = _pyplot()
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.6 + 0.55 * max(len(p) for p in panels.values()) + 1.2),
                              squeeze=False)
+    uniform = 100 / len(next(iter(next(iter(panels.values())).values())))
+    top = max(2 * uniform, *(100 * v for shares in panels.values() for row in shares.values() for v in row))  # one scale
     for ax, (title, shares) in zip(axes[0], panels.items()):
         layers = list(shares)
         grid = [[100 * v for v in shares[layer]] for layer in layers]
-        uniform = 100 / len(grid[0])
-        image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=max(2 * uniform, max(max(row) for row in grid)), aspect="auto")
+        image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=top, aspect="auto")
         for i, row in enumerate(grid):
             for j, value in enumerate(row):
                 ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7,
