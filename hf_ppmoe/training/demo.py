@@ -198,7 +198,7 @@ def run_demo(args: DemoArguments) -> Path:
 
     seeds = [args.seed + 1 + i for i in range(args.seeds)]
     print(f"[3/7] fine-tuning the MoE and the dense model, {args.finetune_steps} steps on the same batches, seeds {seeds}")
-    clock = time.perf_counter()
+    clock, load_before = time.perf_counter(), os.getloadavg()[0]
     results = {"moe": [], "dense": []}
     for seed in seeds:  # interleaved, so that a change in the machine's load hits both models alike
         results["moe"].append(_train(args, root, f"finetune/moe-seed{seed}", args.finetune_steps, seed, 1,
@@ -212,6 +212,7 @@ def run_demo(args: DemoArguments) -> Path:
     logs = {name: [_records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in results}
     speed = {name: _median_tokens_per_second(records) for name, records in logs.items()}
     times["fine-tuning"] = time.perf_counter() - clock
+    load_after = os.getloadavg()[0]
 
     print("[4/7] expert token shares on the held-out set")
     clock = time.perf_counter()
@@ -250,12 +251,16 @@ def run_demo(args: DemoArguments) -> Path:
                        f"after {args.finetune_steps} fine-tuning steps (seed {seeds[0]})": share_tuned},
                       root / "expert_share.png")
     minutes = (time.perf_counter() - start) / 60
+    stage_times = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times.items())
     epochs = (args.dense_steps + args.finetune_steps) * tokens_per_step / train_tokens
     perplexity = math.exp(results["moe"][0])
-    rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |" for seed, m, d in zip(seeds, results["moe"], results["dense"], strict=True))
-    quick = "\n*`--quick`: tiny models and a few steps, a check that every stage runs; the numbers are not a result.*\n" if args.quick else ""
+    rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |"
+                     for seed, m, d in zip(seeds, results["moe"], results["dense"], strict=True))
+    quick = "\n*`--quick`: tiny models and a few steps, a check that every stage runs; the numbers are not a result.*\n"
+    moe_row = f"{_millions(moe_total)} ({moe_total / dense_total:.2f}x) | {_millions(moe_active)} ({moe_active / dense_total:.2f}x)"
+    exact = "equal up to float32 rounding" if gap < 1e-4 else "NOT equal: upcycling went wrong"
     report = f"""# hf-ppmoe demo
-{quick}
+{quick if args.quick else ""}
 ## Data
 
 The Python language reference that ships with CPython (`pydoc_data.topics`, no download: {len(corpus)} topics,
@@ -271,10 +276,10 @@ training set; steps are {args.batch_size} sequences of {args.block_size} tokens.
 | model | parameters | active per token |
 |---|---|---|
 | dense GPT-2, {args.num_layers} layers, hidden {args.hidden_size} | {_millions(dense_total)} | {_millions(dense_total)} |
-| upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {_millions(moe_total)} ({moe_total / dense_total:.2f}x) | {_millions(moe_active)} ({moe_active / dense_total:.2f}x) |
+| upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {moe_row} |
 
 Upcycling copies the dense FFN into every expert: max |logit difference| between the fresh MoE and the dense model
-on {len(probe)} held-out blocks = {gap:.2e} ({'equal up to float32 rounding' if gap < 1e-4 else 'NOT equal: upcycling went wrong'}).
+on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
 
 ## Dense pre-training, then fine-tuning both models
 
@@ -288,8 +293,9 @@ data-order seed:
 
 {verdict}
 
-Speed (median step of the fine-tuning runs above, the two models' runs interleaved on this machine): MoE
-{speed['moe']:,.0f} tokens/s, dense {speed['dense']:,.0f} tokens/s ({speed['moe'] / speed['dense']:.2f}x). The
+Speed (median step of the fine-tuning runs above, the two models' runs interleaved on this machine, {os.cpu_count()}
+cores, 1-min load average {load_before:.1f} before and {load_after:.1f} after them): MoE {speed['moe']:,.0f} tokens/s,
+dense {speed['dense']:,.0f} tokens/s ({speed['moe'] / speed['dense']:.2f}x). The
 comparison is at equal steps and equal data, not at equal compute: the MoE computes with
 {moe_active / dense_total:.2f}x the dense model's active parameters per token.
 
@@ -328,8 +334,8 @@ dense model's size again: held-out loss {merged_loss:.4f}, against {moe_loss:.4f
 
 ## Run time
 
-{minutes:.1f} minutes in all (1-min load average at the start: {load[0]:.2f}): """ + ", ".join(
-        f"{name} {seconds / 60:.1f} min" for name, seconds in times.items()) + f""".
+{minutes:.1f} minutes in all on {os.cpu_count()} cores (1-min load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at
+the end): {stage_times}.
 
 Folders: `data/` (training and held-out topics), `dense/` (GPT-2), `moe-init/` (upcycled),
 `finetune/moe-seedN/` and `finetune/dense-seedN/` (each with `logs/metrics.jsonl`), `merged/` (plain GPT-2, loads
