@@ -58,6 +58,25 @@ class DemoArguments:
     evaluations: int = field(default=5, metadata={"help": "Held-out evaluations per training run (evenly spaced, the last at its end)."})
     quick: bool = field(default=False, metadata={"help": "Tiny models and a few steps: every stage in seconds (a check, not a result)."})
 
+    def __post_init__(self):
+        """Refuse sizes that cannot work, naming the flag (before anything is trained)."""
+        for name in ("dense_steps", "finetune_steps", "seeds", "batch_size", "hidden_size", "num_layers", "num_experts",
+                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.block_size < 8:
+            raise ValueError(f"--block_size must be >= 8 (the prompt and the generated tokens fit in it), got {self.block_size}.")
+        if self.hidden_size % max(1, self.hidden_size // 32):
+            raise ValueError(f"--hidden_size {self.hidden_size}: the model has hidden_size // 32 heads of equal width; use a "
+                             "multiple of 32 (or a size below 64).")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"--num_experts_per_tok {self.num_experts_per_tok} exceeds --num_experts {self.num_experts}.")
+        if self.moe_layer_frequency > self.num_layers:
+            raise ValueError(f"--moe_layer_frequency {self.moe_layer_frequency} exceeds --num_layers {self.num_layers}: no FFN "
+                             "would become an MoE layer.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+
 
 QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2,
              num_experts=4, num_beams=2, evaluations=2)

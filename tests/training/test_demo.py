@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
 from hf_ppmoe.cli import main as cli
 from hf_ppmoe.training.data import pack
-from hf_ppmoe.training.demo import QUICK, _lm_loss, _verdict, expert_shares
+from hf_ppmoe.training.demo import QUICK, DemoArguments, _lm_loss, _verdict, expert_shares
 from hf_ppmoe.training.tracking import read_jsonl
 
 SECTIONS = ["## Data", "## Models", "## Dense pre-training, then fine-tuning both models", "## Where the tokens go",
@@ -92,7 +92,14 @@ def test_report_numbers_are_the_logs(demo):
 
 def test_verdict_claims_only_what_the_seeds_support():
     assert "no difference is claimed" in _verdict([-0.02])
-    assert "lower in every seed, by 0.0100 to 0.0300" in _verdict([-0.01, -0.02, -0.03])
+    assert "lower in every seed, by 0.0150 to 0.0250" in _verdict([-0.015, -0.02, -0.025])
     assert "within the spread of the seeds at this size, so none is claimed" in _verdict([-0.02, 0.01, -0.01])
     assert "none is claimed" in _verdict([-0.001, -0.03, -0.002])  # one sign, but the mean is within 2 std of 0
     assert "the dense model ends lower in every seed" in _verdict([0.01, 0.012])
+
+
+@pytest.mark.parametrize("flags, named", [({"seeds": 0}, "--seeds"), ({"num_experts_per_tok": 9}, "--num_experts_per_tok"),
+                                          ({"hidden_size": 100}, "--hidden_size"), ({"moe_layer_frequency": 5}, "--moe_layer_frequency")])
+def test_impossible_sizes_are_refused_by_name(flags, named):
+    with pytest.raises(ValueError, match=named):
+        DemoArguments(**flags)
