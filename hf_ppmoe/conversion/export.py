@@ -50,7 +50,7 @@ from .architectures import ARCHITECTURES, _llama_names
 from .io import open_checkpoint
 from .mapping import Chain, ConversionError, Create, Mapping, Rule, Scale, Split, Unstack, rename
 from .pipeline import deliver, expected_tensors
-from .t5 import STACKS, switch_sparse_layers
+from .t5 import switch_sparse_layers
 from .upcycle import moe_config_loader
 
 # Switch Transformers drops tokens past `expert_capacity` per expert and sequence, in evaluation too; ours is dropless
