@@ -13,7 +13,7 @@ overridable for exactly this ("subclass and override to inject custom behavior";
 same way), and the mixin overrides only those two. The values come from what the model returns (`loss`, `aux_loss`,
 `z_loss`) through a forward hook on the model Trainer calls (PEFT included), not from `compute_loss`: the hook sees
 the loss as the model computed it, before Trainer rescales it in place for data parallelism, and the arguments it was
-computed from (`labels`, `num_items_in_batch`), and it works under any `compute_loss` a subclass (TRL) brings.
+computed from (`labels`, `num_items_in_batch`), and it works under any `compute_loss` a subclass brings.
 
 What is logged, every logging step and for every evaluation (prefixed `eval_`), over all micro-batches and processes:
 - `lm_loss`: the cross-entropy per label token (no router terms); at evaluation also `perplexity` = exp(`eval_lm_loss`).
@@ -24,7 +24,9 @@ What is logged, every logging step and for every evaluation (prefixed `eval_`), 
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
 Only forwards given `labels` count for the losses (with a `compute_loss_func` or label smoothing the model gets no
-labels and only the router statistics are logged). The legacy `use_legacy_prediction_loop` is not covered.
+labels and only the router statistics are logged). Not covered: `use_legacy_prediction_loop`, and several GPUs in one
+process (`torch.nn.DataParallel`, which Trainer uses when it sees several GPUs without a launcher: its replicas would
+run the hook concurrently); launch one process per GPU (torchrun / accelerate launch) as usual.
 """
 
 from __future__ import annotations
@@ -93,8 +95,8 @@ class LossMonitor:
 
 
 class MoETrainerMixin:
-    """Put before `Trainer` (or a subclass of it, e.g. TRL's) in the bases: `class MyTrainer(MoETrainerMixin,
-    Trainer)`. See the module docstring for what it logs and why it is a mixin."""
+    """Put before `Trainer` (or a subclass of it) in the bases: `class MyTrainer(MoETrainerMixin, Trainer)`. See the
+    module docstring for what it logs and why it is a mixin."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
