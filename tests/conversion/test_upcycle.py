@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from hf_ppmoe import GPTMoEForCausalLM
 from hf_ppmoe.conversion import expert_output_scale, gate_renormalizes, upcycle
 
-ARCHS = ["gpt2", "llama", "mistral", "qwen2"]
+ARCHS = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("gate", GATES)
