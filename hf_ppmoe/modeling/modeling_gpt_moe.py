@@ -25,7 +25,14 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, RMSNorm, build_norm, mean_router_losses, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    RMSNorm,
+    build_norm,
+    mean_router_losses,
+    router_loss_weight,
+    routing_token_mask,
+)
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -41,7 +48,8 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given)."""
+    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given; the
+    router terms weighted by the batch's share of `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
@@ -347,7 +355,10 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         if labels is not None:
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
             if out.aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+                # the LM loss predicts labels[:, 1:] (or the shift_labels given); see router_loss_weight
+                weight = router_loss_weight(kwargs.get("shift_labels", labels[..., 1:]), kwargs.get("num_items_in_batch"))
+                config = self.config
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return GPTMoECausalLMOutput(
             loss=loss,
             aux_loss=out.aux_loss,
