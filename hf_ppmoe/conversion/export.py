@@ -3,7 +3,7 @@
 Legend: E experts, K routes per token, H hidden, I expert inner size.
 
 An exported folder loads with plain Transformers (no hf_ppmoe, no remote code) as `MixtralForCausalLM`,
-`Qwen2MoeForCausalLM` or `SwitchTransformersForConditionalGeneration`, in the layout Transformers' own
+`Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` or `SwitchTransformersForConditionalGeneration`, in the layout Transformers' own
 `save_pretrained` writes (per-expert tensors, as on the Hub), and computes what our model computes: the same logits,
 and in training the same routing (no capacity, jitter or random routing that the target would do differently).
 
@@ -18,9 +18,10 @@ What each target computes (Transformers 5.24, `models/<name>/modeling_<name>.py`
   sigmoid(x . w_g) * shared(x). Ours adds shared(x) ungated: w_g = 0 gives the factor sigmoid(0) = 1/2 exactly, so
   the shared expert's down-projection is exported times 2 (exact: a power of two). A model without a shared expert
   gets one of width 0 (its output is exactly zero).
-- Qwen3-MoE: as Qwen2-MoE without the shared expert, but its attention RMS-normalises every query and key head
-  (q_norm, k_norm) before the rotary embedding. GPT-MoE has no such norm, so no GPT-MoE fits; it is refused with
-  that reason (and any other that applies).
+- Qwen3-MoE: Qwen2-MoE's MoE layout (decoder_sparse_step, mlp_only_layers, softmax top-k renormalised iff
+  norm_topk_prob, no jitter) without a shared expert; biases on all of q, k, v, o or none (attention_bias); its
+  attention RMS-normalises every query and key head over head_dim (q_norm, k_norm, eps rms_norm_eps) before the
+  rotary embedding: GPT-MoE with qk_norm=True, and only with it.
 - Switch Transformers: T5 v1.0's layout, top-1 router (softmax in float32, the expert weighted by its probability),
   sparse blocks where i % step == 1 (every block for step 1) with step = num_layers // num_sparse_layers per stack;
   `expert_capacity` tokens per expert and sequence, dropped past it in training and evaluation alike (exported as
@@ -29,7 +30,7 @@ What each target computes (Transformers 5.24, `models/<name>/modeling_<name>.py`
   input is rescaled by d_model**-0.5 (tie_word_embeddings), and a stored head that differs unties it.
 
 The weight tables are the import tables (architectures.py, t5.py) run backwards; Qwen2-MoE has no import, so its
-table is written in the export direction. Router losses are the target's own and not part of the check: Mixtral and
+table is written in the export direction (its experts with the import's `expert_rules`, inverted). Router losses are the target's own and not part of the check: Mixtral and
 Qwen add a load-balancing loss pooled over all layers (for one MoE layer K times ours; only with
 output_router_logits=True) and no z-loss; Switch adds its per-sequence aux and z-losses. The coefficients are
 carried unchanged.
@@ -46,9 +47,9 @@ from types import SimpleNamespace
 import torch
 
 from ..modeling import GPTMoEConfig, Seq2SeqMoEConfig
-from .architectures import ARCHITECTURES, _llama_names
+from .architectures import ARCHITECTURES, _llama_names, expert_rules
 from .io import open_checkpoint
-from .mapping import Chain, ConversionError, Create, Mapping, Rule, Scale, Split, Unstack, rename
+from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
 from .pipeline import deliver, expected_tensors
 from .t5 import switch_sparse_layers
 from .upcycle import moe_config_loader
@@ -104,10 +105,14 @@ def _routing_reasons(c, label: str) -> list[str]:
     return reasons
 
 
-def _decoder_reasons(c, label: str, bias_reason: str | None) -> list[str]:
+def _decoder_reasons(c, label: str, bias_reason: str | None, qk_norm: bool = False) -> list[str]:
     """What Mixtral / Qwen-MoE need of GPT-MoE's dense part; `bias_reason`: the target's verdict on the attention
-    biases (None: they fit)."""
+    biases (None: they fit); `qk_norm`: whether the target RMS-normalises every query and key head (Qwen3-MoE)."""
     checks = [
+        (c.qk_norm and not qk_norm, f"per-head q/k RMSNorm (qk_norm=True); {label}'s attention has none (qwen3_moe "
+         "has it)"),
+        (qk_norm and not c.qk_norm, f"no per-head q/k norm (qk_norm=False); {label} RMS-normalises every query and "
+         "key head (q_norm, k_norm) before the rotary embedding, which no weights can undo"),
         (c.position_embedding_type != "rotary", f"learned absolute positions (position_embedding_type="
          f"{c.position_embedding_type!r}); {label} uses rotary positions"),
         (c.norm_type != "rmsnorm", f"norm_type={c.norm_type!r}; {label} uses RMSNorm"),
@@ -157,15 +162,13 @@ def _qwen2_moe_reasons(c) -> list[str]:
 def _qwen3_moe_reasons(c) -> list[str]:
     label = "Qwen3-MoE"
     _, reasons = _weighting(c, label)
-    reasons.insert(0, f"{label} RMS-normalises every query and key head (q_norm, k_norm) before the rotary "
-                      "embedding; GPT-MoE has no such norm, so no GPT-MoE computes what a Qwen3-MoE does")
     if c.shared_expert_intermediate_size:
         reasons.append(f"a shared expert (shared_expert_intermediate_size={c.shared_expert_intermediate_size}); "
                        f"{label} has none (qwen2_moe has one)")
     bias_reason = None
     if c.attention_bias != c.attention_output_bias:
         bias_reason = f"attention biases ({_biases(c)}); {label} has biases on all of q, k, v, o or on none"
-    return reasons + _routing_reasons(c, label) + _decoder_reasons(c, label, bias_reason)
+    return reasons + _routing_reasons(c, label) + _decoder_reasons(c, label, bias_reason, qk_norm=True)
 
 
 def _switch_sparse_count(moe: list[bool]) -> int | None:
@@ -270,27 +273,40 @@ def _mixtral_config(c):
     )
 
 
+def _qwen_moe_fields(c) -> dict:
+    """GPT-MoE -> the MoE layout fields Qwen2-MoE and Qwen3-MoE share."""
+    step = c.moe_layer_frequency if c.moe_layers is None else 1
+    return dict(
+        _decoder_fields(c),
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=_expert_size(c),
+        num_experts=c.num_experts,
+        norm_topk_prob=_weighting(c, "")[0] == "renormalized",
+        decoder_sparse_step=step,
+        mlp_only_layers=[i for i, moe in enumerate(_gpt_moe_layers(c)) if (i + 1) % step == 0 and not moe],
+        use_sliding_window=c.sliding_window is not None,
+    )
+
+
 def _qwen2_moe_config(c):
     from transformers import Qwen2MoeConfig
 
     n = c.num_hidden_layers
-    step = c.moe_layer_frequency if c.moe_layers is None else 1
     window = c.sliding_window is not None
     return Qwen2MoeConfig(
-        **_decoder_fields(c),
-        intermediate_size=c.intermediate_size,
-        moe_intermediate_size=_expert_size(c),
+        **_qwen_moe_fields(c),
         shared_expert_intermediate_size=c.shared_expert_intermediate_size,
-        num_experts=c.num_experts,
-        norm_topk_prob=_weighting(c, "")[0] == "renormalized",
         qkv_bias=c.attention_bias,
-        decoder_sparse_step=step,
-        mlp_only_layers=[i for i, moe in enumerate(_gpt_moe_layers(c)) if (i + 1) % step == 0 and not moe],
-        use_sliding_window=window,
-        sliding_window=c.sliding_window if window else None,
+        sliding_window=c.sliding_window,
         layer_types=[("sliding_attention" if window else "full_attention")] * n,
         max_window_layers=n,
     )
+
+
+def _qwen3_moe_config(c):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_qwen_moe_fields(c), attention_bias=c.attention_bias, sliding_window=c.sliding_window)
 
 
 def _switch_config(c):
@@ -349,10 +365,7 @@ def _qwen2_moe_mapping(c, names, dtype) -> Mapping:
             continue
         rules += [
             rename(m + "gate.weight", m + "gate.weight"),
-            # experts.gate_up_proj [E, 2I, H] = [gate; up] -> experts.{e}.gate_proj, up_proj [I, H]
-            Rule((m + "experts.gate_up_proj",), (m + "experts.{e}.gate_proj.weight", m + "experts.{e}.up_proj.weight"),
-                 Chain(Split(1, 2), Unstack(2))),
-            Rule((m + "experts.down_proj",), (m + "experts.{e}.down_proj.weight",), Unstack()),
+            *[rule.inverse() for rule in expert_rules(m, m, "gate_proj", "up_proj", "down_proj")],
             # sigmoid(0) = 1/2 exactly: a zero gate and a doubled down-projection give our ungated shared expert
             Rule((), (m + "shared_expert_gate.weight",), Create(lambda: torch.zeros(1, H, dtype=dtype))),
         ]
@@ -372,14 +385,14 @@ def _qwen2_moe_mapping(c, names, dtype) -> Mapping:
 class Target:
     """A Transformers MoE class to export to. `reasons(config)` lists what of our config it cannot express (empty:
     it fits exactly); `config` builds its config; `mapping(target_config, target_names, dtype)` maps our tensor names
-    to its (None: nothing ever fits)."""
+    to its."""
 
     name: str  # `to=` / `--to`: the target's model_type
     family: str  # the model_type of the models it takes
     class_name: str
     reasons: Callable
-    config: Callable | None = None
-    mapping: Callable | None = None
+    config: Callable
+    mapping: Callable
 
 
 TARGETS: dict[str, Target] = {
@@ -389,7 +402,8 @@ TARGETS: dict[str, Target] = {
                _imported("mixtral")),
         Target("qwen2_moe", GPTMoEConfig.model_type, "Qwen2MoeForCausalLM", _qwen2_moe_reasons, _qwen2_moe_config,
                _qwen2_moe_mapping),
-        Target("qwen3_moe", GPTMoEConfig.model_type, "Qwen3MoeForCausalLM", _qwen3_moe_reasons),
+        Target("qwen3_moe", GPTMoEConfig.model_type, "Qwen3MoeForCausalLM", _qwen3_moe_reasons, _qwen3_moe_config,
+               _imported("qwen3_moe")),
         Target("switch_transformers", Seq2SeqMoEConfig.model_type, "SwitchTransformersForConditionalGeneration",
                _switch_reasons, _switch_config, _imported("switch_transformers")),
     ]

@@ -7,6 +7,7 @@ Both directions are `mapping.py` tables and ops, so the round trip is bit-exact:
 - `rules(config, Vp)`: our weight names <-> megatron-core names of the whole, unsharded model, each with an exact op:
       model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
           InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
+      model.layers.{i}.self_attn.{q,k}_norm.weight -> decoder.layers.{i}.self_attention.{q,k}_layernorm.weight
       model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  Concat: [gate; up]
       model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H] ([gate; up])
           -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   Unstack
@@ -88,6 +89,8 @@ def rules(config, padded_vocab: int) -> list[Rule]:
             table.append(Rule(names, (f"{mc}self_attention.linear_qkv.{p}",), qkv))
         for p in ("weight", "bias") if config.attention_output_bias else ("weight",):
             table.append(rename(f"{hf}self_attn.o_proj.{p}", f"{mc}self_attention.linear_proj.{p}"))
+        if config.qk_norm:  # [head_dim], replicated over tensor-parallel ranks
+            table += [rename(f"{hf}self_attn.{x}_norm.weight", f"{mc}self_attention.{x}_layernorm.weight") for x in "qk"]
         if not config.is_moe_layer(i):
             table += _mlp_rules(f"{hf}mlp.", f"{mc}mlp.", config)
             continue

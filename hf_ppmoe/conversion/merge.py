@@ -1,5 +1,5 @@
 """MoE -> dense: merge each MoE layer's experts back into one FFN and write the original dense architecture (a
-GPT-MoE into GPT-2 / Llama / Mistral / Qwen2, a Seq2Seq-MoE into T5).
+GPT-MoE into GPT-2 / Llama / Mistral / Qwen2 / Qwen3, a Seq2Seq-MoE into T5).
 
 The merge is the inverse of upcycling, table for table: `experts_mapping(...).inverse()` merges the experts (a
 weighted mean in float64; E identical float32 copies give back the same bits) and drops the router, then the source
@@ -79,7 +79,8 @@ def merge_experts(
     progress: bool = False,
 ):
     """Merge an MoE model made by `upcycle` or `import_moe` (a model object or a folder) back into its dense
-    architecture (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, T5ForConditionalGeneration),
+    architecture (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    T5ForConditionalGeneration),
     loadable by plain Transformers.
 
     method: "mean" (mean of the experts), "usage" (mean weighted by how often the router picks each expert on
@@ -96,6 +97,13 @@ def merge_experts(
         raise ConversionError(
             f"this {type(config).__name__} has no record of a dense architecture (config.conversion, written by upcycle "
             "and import_moe), so there is no original class to merge back into."
+        )
+    if record["dense_config"] is None:
+        imported = (record.get("imported_from") or {}).get("model_type", "MoE")
+        raise ConversionError(
+            f"this model was imported from a {imported} checkpoint that has no dense twin: its dense layers "
+            f"(intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
+            f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size."
         )
     if config.shared_expert_intermediate_size:
         raise ConversionError("merging a model with a shared expert is not supported: the dense FFN has no place for it")

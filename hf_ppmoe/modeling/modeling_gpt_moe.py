@@ -25,7 +25,14 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses, router_loss_weight, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    RMSNorm,
+    build_norm,
+    mean_router_losses,
+    router_loss_weight,
+    routing_token_mask,
+)
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -111,12 +118,19 @@ class GPTMoEAttention(nn.Module):
         self.k_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, H, bias=config.attention_output_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: RMSNorm over each query / key head, before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)

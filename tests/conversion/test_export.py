@@ -9,19 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from converters import input_ids, read_tensors, tiny_switch
+from converters import assert_same_outputs, build_dense, input_ids, read_tensors, tiny_switch
 from helpers import tiny_gpt_config, tiny_seq2seq_config
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
     SwitchTransformersForConditionalGeneration,
 )
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.cli import main
-from hf_ppmoe.conversion import ConversionError, export_moe, export_reasons, import_moe, upcycle
+from hf_ppmoe.conversion import ConversionError, export_moe, export_reasons, import_moe, merge_experts, upcycle
 from hf_ppmoe.modeling.common import write_custom_generate
 
 VOCAB = 97
@@ -40,6 +41,14 @@ DECODERS = {
                                            num_hidden_layers=3, tie_word_embeddings=True), Qwen2MoeForCausalLM),
     "qwen2_moe-prototype": ("qwen2_moe", dict(LLAMA, router_type="prototype", num_experts_per_tok=1,
                                               moe_layer_frequency=2), Qwen2MoeForCausalLM),
+    # Qwen3's per-head q/k norms; biases on q/k/v/o; dense layers 0 and 2 (decoder_sparse_step 2), experts smaller
+    "qwen3_moe": ("qwen3_moe", dict(LLAMA, qk_norm=True, num_hidden_layers=3, moe_layer_frequency=2, num_experts=8,
+                                    num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=False,
+                                    attention_bias=True, head_dim=16, sliding_window=4), Qwen3MoeForCausalLM),
+    # a dense layer between MoE layers (mlp_only_layers), renormalised top-2, tied head
+    "qwen3_moe-gshard-tied": ("qwen3_moe", dict(LLAMA, qk_norm=True, router_type="gshard", router_random_routing=False,
+                                                num_hidden_layers=3, moe_layers=[0, 2], tie_word_embeddings=True),
+                              Qwen3MoeForCausalLM),
 }
 # Seq2Seq-MoE in Switch Transformers' layout: T5 v1.0 (ReLU, no gate, q.k unscaled), top-1 by probability, no dropout
 SWITCH_LAYOUT = dict(router_type="switch", num_experts_per_tok=1, gated_mlp=False, hidden_act="relu",
@@ -116,13 +125,13 @@ def test_exported_decoder_equals_ours(exported, case):
     theirs = AutoModelForCausalLM.from_pretrained(folder).eval()
     assert type(theirs) is native
     _assert_same(ours, theirs, seq2seq=False)
-    if to == "mixtral":  # the Hub layout (one tensor per expert), which the import reads back bit for bit
-        assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in read_tensors(folder)
+    # the Hub layout (one tensor per expert), which the imports (Mixtral, Qwen3-MoE) read back bit for bit
+    expert = ".block_sparse_moe.experts.3.w2.weight" if to == "mixtral" else ".mlp.experts.3.down_proj.weight"
+    assert any(name.endswith(expert) for name in read_tensors(folder))
+    if to in ("mixtral", "qwen3_moe"):
         back = import_moe(folder).state_dict()
         assert back.keys() == ours.state_dict().keys()
         assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
-    else:
-        assert any(name.endswith(".mlp.experts.0.up_proj.weight") for name in read_tensors(folder))
 
 
 @pytest.mark.parametrize("case", SEQ2SEQ)
@@ -136,6 +145,34 @@ def test_exported_seq2seq_equals_ours(exported, case):
     back = import_moe(folder).state_dict()
     assert back.keys() == ours.state_dict().keys()
     assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
+
+
+def test_qwen3_moe_import_equals_it_and_exports_back_to_the_same_checkpoint(dense, tmp_path):
+    qwen3_moe, folder = dense("qwen3_moe")
+    imported = import_moe(folder)
+    config = imported.config
+    assert config.qk_norm and config.moe_layers == [1, 2] and config.moe_intermediate_size == 24
+    assert config.router_type == "topk" and not config.norm_topk_prob and config.sliding_window == 4
+    assert_same_outputs(qwen3_moe, imported)
+    out = export_moe(imported, tmp_path / "back", to="qwen3_moe")
+    original, back = read_tensors(folder), read_tensors(out)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+    # no dense Qwen3 holds both FFN sizes
+    with pytest.raises(ConversionError, match=r"dense layers \(intermediate_size=48\) and experts \(moe_intermediate"):
+        merge_experts(imported)
+
+
+def test_qwen3_moe_of_identical_experts_merges_into_the_qwen3_it_computes():
+    """The dense twin of an imported Qwen3-MoE (head_dim, q/k norms, biases, window): with every expert a copy of one
+    FFN and renormalised weights, the Qwen3-MoE computes that FFN, and the merged Qwen3ForCausalLM computes it too."""
+    moe = build_dense("qwen3_moe", mlp_only_layers=[], norm_topk_prob=True)
+    with torch.no_grad():
+        for layer in moe.model.layers:
+            for weight in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                weight.copy_(weight[:1].expand_as(weight))
+    merged = merge_experts(import_moe(moe))
+    assert type(merged).__name__ == "Qwen3ForCausalLM"
+    assert_same_outputs(moe, merged)
 
 
 def test_switch_import_then_export_gives_the_same_checkpoint(tmp_path):
@@ -161,7 +198,7 @@ for folder, inputs, expected in torch.load(sys.argv[1]):
 
 def test_exported_folders_load_without_hf_ppmoe(exported, tmp_path):
     cases = []
-    for case in ("mixtral", "qwen2_moe-shared", "switch-tied"):
+    for case in ("mixtral", "qwen2_moe-shared", "qwen3_moe", "switch-tied"):
         ours, folder = exported(case)
         inputs = _inputs(case in SEQ2SEQ)
         inputs.pop("attention_mask")  # no padding: every position is compared
@@ -175,7 +212,8 @@ def test_exported_folders_load_without_hf_ppmoe(exported, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("OK")]
-    assert loaded == ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "SwitchTransformersForConditionalGeneration"]
+    assert loaded == ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                      "SwitchTransformersForConditionalGeneration"]
 
 
 # ------------------------------------------------------------------------------------------------- refusals
@@ -194,6 +232,11 @@ REFUSED = {  # target: (config, a fragment of each reason, in order)
         "router_jitter_noise=0.1: ours jitters only the router's input; Qwen2-MoE has no jitter",
         "learned absolute positions", "norm_type='layernorm'", "a plain MLP", "FFN biases", "an o_proj bias",
         "hidden_dropout=0.1"]),
+    "qwen3_moe": (tiny_gpt_config(**GPT2_MOE), [
+        "router_type='gshard' drops the second expert at random", "a shared expert", "capacity_factor=1.0",
+        "eval_capacity_factor=2.0", "router_jitter_noise=0.1: ours jitters only the router's input; Qwen3-MoE has no "
+        "jitter", "no per-head q/k norm (qk_norm=False)", "learned absolute positions", "norm_type='layernorm'",
+        "a plain MLP", "FFN biases", "hidden_dropout=0.1"]),
     "switch_transformers": (tiny_seq2seq_config(
         norm_type="layernorm", attention_bias=True, hidden_dropout=0.1, shared_expert_intermediate_size=8,
         moe_intermediate_size=24, tie_word_embeddings=True, encoder_moe_layers=[0], capacity_factor=1.0,
@@ -233,8 +276,13 @@ def test_gates_are_mapped_by_what_they_compute():
     assert "router_type='prototype' routes top-1 within each of 2 prototypes" in reasons("qwen2_moe", router_type="prototype")[0]
     assert reasons("qwen2_moe", router_type="prototype", num_experts_per_tok=1) == []  # one prototype: a top-1 router
     assert reasons("qwen2_moe", norm_topk_prob=False) == reasons("mixtral", router_type="gshard", router_random_routing=False) == []
-    # Qwen3-MoE's per-head q/k norms have no counterpart: the one reason for a model that fits Qwen2-MoE
-    assert [r[:40] for r in reasons("qwen3_moe")] == ["Qwen3-MoE RMS-normalises every query and"]
+    # Qwen3-MoE needs Qwen3's per-head q/k norms (qk_norm), which Mixtral and Qwen2-MoE do not have
+    assert [r[:40] for r in reasons("qwen3_moe")] == ["no per-head q/k norm (qk_norm=False); Qw"]
+    assert reasons("qwen3_moe", qk_norm=True, norm_topk_prob=False) == []
+    assert reasons("mixtral", qk_norm=True) == [
+        "per-head q/k RMSNorm (qk_norm=True); Mixtral's attention has none (qwen3_moe has it)"]
+    assert "Qwen3-MoE has biases on all of q, k, v, o or on none" in reasons(
+        "qwen3_moe", qk_norm=True, attention_bias=True, attention_output_bias=False)[0]
     one_route = tiny_seq2seq_config(**dict(SWITCH_LAYOUT, router_type="topk"))  # norm_topk_prob: weight 1
     assert export_reasons(one_route, "switch_transformers") == [
         "the one route's weight is renormalised to 1 (router_type='topk'); Switch Transformers weights the expert by "
