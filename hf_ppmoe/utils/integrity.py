@@ -44,6 +44,7 @@ SAFETENSORS_DTYPES = {
     torch.float8_e5m2: "F8_E5M2",
 }
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$", flags=re.MULTILINE)  # sha256sum's text and binary modes
 
 
 class CheckpointError(ValueError):
@@ -103,11 +104,7 @@ def verify_checksums(folder: str | os.PathLike, names: Iterable[str]) -> bool:
     manifest = folder / CHECKSUMS_FILE
     if not manifest.is_file():
         return False
-    recorded = {}
-    for line in manifest.read_text().splitlines():
-        digest, _, name = line.partition("  ")
-        if name:
-            recorded[name.lstrip("*")] = digest
+    recorded = {name: digest for digest, name in _MANIFEST_LINE.findall(manifest.read_text())}
     names = sorted(set(names))
     unrecorded = [n for n in names if n not in recorded]
     if unrecorded:
@@ -149,11 +146,19 @@ def check_stored_dtypes(stored: Mapping[str, tuple[str, torch.dtype]], expected:
             )
 
 
+def _finite(tensor: torch.Tensor) -> bool:
+    # a finite sum means finite elements (NaN and infinity propagate); a sum is one vectorized pass without a
+    # tensor-sized temporary, several times faster than isfinite().all(), which only decides when the sum is not
+    # finite (an overflow of finite values)
+    total = tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(tensor).all())
+
+
 def check_finite(tensors: Iterable[tuple[str, str, torch.Tensor]]) -> None:
     """Refuse NaN or infinity in floating-point tensors, given as (file, name, tensor) as loaded from `file`."""
     for file, name, tensor in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a split tensor: this process's part
-        if local.is_floating_point() and local.device.type != "meta" and not bool(torch.isfinite(local).all()):
+        if local.is_floating_point() and local.device.type != "meta" and not _finite(local):
             raise CheckpointError(
                 f"{file}: tensor {name} holds NaN or infinite values. The checkpoint was saved from a diverged run or "
                 "damaged afterwards; load an earlier checkpoint."
