@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .conversion.commands import COMMANDS as CONVERSIONS
     from .conversion.mapping import ConversionError
+    from .utils.atomic import OutOfSpaceError
 
     arguments, run, description = CONVERSIONS[command]
     parser = HfArgumentParser(
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = parser.parse_args_into_dataclasses(_positional(rest, ("source", "output")))
     try:
         out = run(args)
-    except (ConversionError, FileExistsError) as err:
+    except (ConversionError, FileExistsError, OutOfSpaceError) as err:
         print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .io import atomic_folder
+from ..utils.atomic import atomic_folder
 from .mapping import (
     Concat,
     ConversionError,

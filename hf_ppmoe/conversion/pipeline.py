@@ -8,7 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .io import Checkpoint, atomic_folder, carry_side_files, model_tensors, write_safetensors
+from ..utils.atomic import atomic_folder
+from ..utils.integrity import write_checksums
+from .io import Checkpoint, carry_side_files, model_tensors, write_safetensors
 from .mapping import ConversionError, MappedSource, TensorSource, shape_str
 
 
@@ -77,7 +79,8 @@ def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_siz
     config.architectures = [model_class.__name__]
     with atomic_folder(target, overwrite=overwrite) as folder:
         carry_side_files(checkpoint, folder, tokenizer)
-        write_safetensors(folder, plan, tensors.get, max_shard_size, progress)
+        weight_files = write_safetensors(folder, plan, tensors.get, max_shard_size, progress)
+        write_checksums(folder, weight_files)
         if issubclass(model_class, MoEPreTrainedModel):  # what our save_pretrained adds
             add_remote_code(folder, model_class, config)
             write_custom_generate(folder)

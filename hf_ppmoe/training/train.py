@@ -30,8 +30,8 @@ import copy
 import json
 import math
 import re
-import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
@@ -47,6 +47,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..parallel import Pipeline, make_mesh, parallelize
+from ..parallel.checkpoint import load_distributed_checkpoint
+from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
@@ -202,28 +204,25 @@ def sharded_state(model, optimizer, stage: int | None = None) -> dict:
 
 
 def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, sharded=None) -> None:
-    """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint).
+    """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
+    (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step).
     sharded: (model, optimizer, pipeline stage or None) that Accelerate does not hold (tensor / pipeline parallel),
     saved by every process."""
-    root = Path(args.output_dir, "checkpoints")
-    final, staging = root / f"{CHECKPOINT_PREFIX}{step}", root / f"{CHECKPOINT_PREFIX}{step}.saving"
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    if sharded is not None:
-        dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+    final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
+    with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
+        (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
+        accelerator.save_state(str(staging))
+        if sharded is not None:
+            dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
     accelerator.wait_for_everyone()
 
 
 def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
     state = sharded_state(model, optimizer, stage)
-    dcp.load(state, checkpoint_id=path)
+    load_distributed_checkpoint(state, path)
     state = state if stage is None else state[f"stage_{stage}"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
