@@ -25,7 +25,17 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    build_norm,
+    check_ids,
+    check_tokens,
+    layer_outputs,
+    mean_router_losses,
+    routing_token_mask,
+    unpack_layer_outputs,
+    warn_if_no_targets,
+)
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -172,7 +182,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
             h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
         else:
             h = self.mlp(h)
-        return hidden_states + self.dropout(h), routing, attn_weights
+        return layer_outputs(hidden_states + self.dropout(h), routing, attn_weights)
 
 
 class GPTMoEPreTrainedModel(MoEPreTrainedModel):
@@ -226,17 +236,27 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             compute_router_losses = torch.is_grad_enabled() or output_router_logits
 
         if inputs_embeds is None:
+            check_tokens(input_ids.shape, "input_ids")
+            check_ids(input_ids, config.vocab_size, "Token ids", "Use the model's tokenizer (or resize the embeddings).")
             inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            check_tokens(inputs_embeds.shape, "inputs_embeds")
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
         seq_len = inputs_embeds.shape[1]
+        learned = config.position_embedding_type == "learned"
+        too_long = f"Learned positions end at max_position_embeddings={config.max_position_embeddings}: shorten the input (and max_new_tokens)."
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
+            if learned and isinstance(past_seen, int) and past_seen + seq_len > config.max_position_embeddings:
+                raise ValueError(f"This input reaches position {past_seen + seq_len - 1}. {too_long}")
             position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device).unsqueeze(0)
+        elif learned:
+            check_ids(position_ids, config.max_position_embeddings, "Position ids", too_long)
 
         hidden_states = inputs_embeds
         position_embeddings = None
-        if config.position_embedding_type == "learned":
+        if learned:
             hidden_states = hidden_states + self.embed_positions(position_ids)
         else:
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -259,7 +279,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, attn_weights = layer(
+            hidden_states, routing, attn_weights = unpack_layer_outputs(layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
@@ -268,7 +288,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
                 compute_router_losses=compute_router_losses,
                 position_ids=position_ids,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if output_attentions:
@@ -338,6 +358,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
 
         loss = None
         if labels is not None:
+            warn_if_no_targets(kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:])
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
             if out.aux_loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
