@@ -188,14 +188,15 @@ def check_resume(saved: dict, current: dict, allowed: list[str] | None) -> dict[
             f"this checkpoint was written with {' and '.join(layout)}: its model, optimizer and random states are split "
             "that way. Resume it with the same --tp_size / --pp_size and number of processes."
         )
+    # names both records have (an argument or config field added by a later version has nothing to compare with)
     changed = {
-        name: [old.get(name), new.get(name)] for name in sorted(set(old) | set(new))
-        if name not in MAY_CHANGE_ON_RESUME and old.get(name) != new.get(name)
+        name: [old[name], new[name]] for name in sorted(set(old) & set(new))
+        if name not in MAY_CHANGE_ON_RESUME and old[name] != new[name]
     }
     config_old, config_new = saved.get("model_config", {}), current["model_config"]
-    for key in sorted(set(config_old) | set(config_new)):
-        if config_old.get(key) != config_new.get(key):
-            changed[f"config.{key}"] = [config_old.get(key), config_new.get(key)]
+    for key in sorted(set(config_old) & set(config_new)):
+        if config_old[key] != config_new[key]:
+            changed[f"config.{key}"] = [config_old[key], config_new[key]]
     if saved.get("data") != current["data"]:
         changed["data"] = [f"sha256 {str(saved.get('data'))[:12]}", f"sha256 {current['data'][:12]}"]
     refused = [name for name in changed if name not in (allowed or [])]

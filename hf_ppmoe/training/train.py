@@ -5,7 +5,9 @@ apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) 
 
 Data order is a pure function of (seed, step): the global batch of step s is the s-th slice of per-epoch seeded
 permutations, cut into micro-batches and data-parallel shards. Together with Accelerate's saved optimizer,
-scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be.
+scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be; what a
+checkpoint records about its run, and the checks that refuse a resume that would not continue it, are in
+`checkpoints.py`.
 
 `--tp_size N` splits the model over groups of N processes with hf_ppmoe.parallel (tensor parallelism, PPMoE expert
 parallelism); the groups are data-parallel replicas of each other (`DataParallel`). Accelerate keeps the loop,
@@ -327,8 +329,9 @@ def main(args: TrainArguments) -> dict:
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size)
     check_processes_agree(args, model)
-    record = run_record(args, model.config, blocks, accelerator.num_processes, saved.get("run_id") if saved else None)
-    record["run_id"] = record["run_id"] or new_run_id()
+    # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
+    run_id = (saved or {}).get("run_id") or new_run_id()
+    record = run_record(args, model.config, blocks, accelerator.num_processes, run_id)
     changes = check_resume(saved, record, args.allow_resume_changes) if saved else {}
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
