@@ -32,6 +32,7 @@ from .common import (
     check_tokens,
     layer_outputs,
     mean_router_losses,
+    router_loss_weight,
     routing_token_mask,
     unpack_layer_outputs,
     warn_if_no_targets,
@@ -51,7 +52,8 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given)."""
+    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given; the
+    router terms weighted by the batch's share of `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
@@ -358,10 +360,14 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
 
         loss = None
         if labels is not None:
-            warn_if_no_targets(kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:])
+            # the LM loss predicts labels[:, 1:] (or the shift_labels given)
+            targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
+            warn_if_no_targets(targets)
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
             if out.aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+                weight = router_loss_weight(targets, kwargs.get("num_items_in_batch"))  # see router_loss_weight
+                config = self.config
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return GPTMoECausalLMOutput(
             loss=loss,
             aux_loss=out.aux_loss,

@@ -45,6 +45,7 @@ from .common import (
     check_tokens,
     layer_outputs,
     mean_router_losses,
+    router_loss_weight,
     routing_token_mask,
     unpack_layer_outputs,
     warn_if_no_targets,
@@ -90,7 +91,8 @@ class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
 @dataclass
 class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
     """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given), with
-    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks."""
+    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks (the router terms weighted by the batch's share of
+    `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
@@ -725,7 +727,8 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
             if out.aux_loss is not None:
                 config = self.config
-                loss = loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+                weight = router_loss_weight(labels, num_items_in_batch)
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return Seq2SeqMoELMOutput(
             loss=loss,
             logits=logits,

@@ -303,6 +303,7 @@ def test_checkpoint_carries_flat_beam_search_for_trust_remote_code(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", CHECKPOINT_USER, str(tmp_path / "ckpt"), str(tmp_path / "inputs.pt")],
         capture_output=True, text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home")},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
+             "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
