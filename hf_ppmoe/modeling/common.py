@@ -84,9 +84,9 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
     device (or break the graph) on every step, so there the embedding's own device-side index check stops a bad id."""
     if ids.device.type != "cpu" or torch.compiler.is_compiling() or ids.numel() == 0:
         return
-    bad = (ids < 0) | (ids >= limit)
-    if bool(bad.any()):
-        where = tuple(bad.nonzero()[0].tolist())
+    low, high = ids.aminmax()  # one pass (~10 us per decoding step on CPU)
+    if low.item() < 0 or high.item() >= limit:
+        where = tuple(((ids < 0) | (ids >= limit)).nonzero()[0].tolist())
         raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
 
 
