@@ -380,6 +380,11 @@ def _load(path: Path, weights_only: bool) -> dict:
                 f"{path} holds Python objects beyond tensors (Megatron-LM's saved args). If you trust the file, load "
                 f"it with weights_only=False (--trust-checkpoint). Details: {str(error).splitlines()[0]}"
             ) from error
+        if isinstance(error, (RuntimeError, EOFError, OSError, pickle.UnpicklingError)):  # torch.load on a damaged file
+            raise ConversionError(
+                f"{path} cannot be read, the file is truncated or damaged ({str(error).splitlines()[0]}); copy it "
+                "again from where the checkpoint was saved."
+            ) from error
         raise
 
 
@@ -388,7 +393,12 @@ def load_megatron_checkpoint(directory, *, weights_only: bool = True) -> tuple[d
     root = Path(directory)
     if not (root / TRACKER).is_file():
         raise ConversionError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER}")
-    step = (root / TRACKER).read_text().strip()
+    step = (root / TRACKER).read_text(errors="replace").strip()
+    if step != "release" and not step.isdigit():
+        raise ConversionError(
+            f"{root / TRACKER} holds {step[:40]!r}; Megatron-LM writes 'release' or the iteration number there. Write "
+            "the iteration of the checkpoint to convert (its iter_NNNNNNN folder) into it."
+        )
     folder = root / ("release" if step == "release" else f"iter_{int(step):07d}")
     found = sorted(p.name for p in folder.glob("mp_rank_*")) if folder.is_dir() else []
     if not found:

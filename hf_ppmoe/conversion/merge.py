@@ -11,6 +11,7 @@ renormalisation and gshard; E for switch with E a power of two), to one float ro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -89,6 +90,11 @@ def merge_experts(
     """
     if method not in MERGE_METHODS:
         raise ValueError(f"method={method!r}; use one of {', '.join(MERGE_METHODS)}.")
+    if method == "usage" and not sample_texts:  # before anything is loaded
+        raise ConversionError(
+            "method='usage' needs sample_texts to measure how often the router picks each expert (on the command "
+            "line: --sample_texts TEXT ... or --sample_file FILE)"
+        )
 
     checkpoint = open_checkpoint(moe, moe_config_loader("merge_experts"))
     config = checkpoint.config
@@ -104,6 +110,12 @@ def merge_experts(
             f"this model was imported from a {imported} checkpoint that has no dense twin: its dense layers "
             f"(intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
             f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size."
+        )
+    scale = record.get("expert_output_scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ConversionError(
+            f"config.conversion.expert_output_scale={scale!r}: it must be a positive finite number (upcycle records the "
+            "factor it scaled the experts by; merging divides by it). The config was edited or damaged."
         )
     if config.shared_expert_intermediate_size:
         raise ConversionError("merging a model with a shared expert is not supported: the dense FFN has no place for it")
@@ -130,7 +142,7 @@ def merge_experts(
         del model
 
     weights = _merge_weights(method, config, ffns, expert, usage)
-    experts = experts_mapping(config, scale=record["expert_output_scale"], merge_weights=weights).inverse()
+    experts = experts_mapping(config, scale=scale, merge_weights=weights).inverse()
     dense_names = experts.apply(checkpoint.tensors)
     import transformers
 

@@ -17,10 +17,12 @@ where the model has floating-point ones, and NaN or infinity.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import importlib.util
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -78,6 +80,57 @@ def routing_token_mask(attention_mask: torch.Tensor | None, compute_router_losse
     ):
         return None
     return attention_mask
+
+
+def check_tokens(shape: torch.Size, name: str) -> None:
+    """A batch of B >= 1 sequences of L >= 1 tokens (checked from the shape: no device work)."""
+    if len(shape) < 2 or shape[0] == 0 or shape[1] == 0:
+        raise ValueError(
+            f"{name} has shape {tuple(shape)}: the model takes a batch [batch, sequence length] with at least one "
+            "sequence of at least one token."
+        )
+
+
+def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
+    """Raise ValueError if an id lies outside [0, limit). Checked on CPU in eager mode only, where it is two
+    comparisons: on an accelerator, or under torch.compile, reading the answer would make the host wait for the
+    device (or break the graph) on every step, so there the embedding's own device-side index check stops a bad id."""
+    if ids.device.type != "cpu" or torch.compiler.is_compiling() or ids.numel() == 0:
+        return
+    low, high = ids.aminmax()  # one pass (~10 us per decoding step on CPU)
+    if low.item() < 0 or high.item() >= limit:
+        where = tuple(((ids < 0) | (ids >= limit)).nonzero()[0].tolist())
+        raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
+
+
+def warn_if_no_targets(targets: torch.Tensor) -> None:
+    """The LM loss averages over the target tokens (labels other than -100); with none it is NaN. A warning, not an
+    error (a batch of padding can occur in a loop). An empty target shape is seen everywhere; labels that are all
+    -100 are looked for on CPU in eager mode only (elsewhere the host would wait for the device)."""
+    if targets.numel() and (targets.device.type != "cpu" or torch.compiler.is_compiling() or bool((targets != -100).any())):
+        return
+    warnings.warn(
+        "No label in this batch is a target (every label is -100, or each sequence has a single token, which a causal "
+        "LM cannot predict from earlier ones): the LM loss has nothing to average and is NaN.",
+        stacklevel=3,
+    )
+
+
+def layer_outputs(hidden_states: torch.Tensor, routing, attn_weights) -> tuple:
+    """A layer's outputs with its router losses as top-level tensors. Reentrant gradient checkpointing
+    (`use_reentrant=True`, what PEFT's k-bit preparation asks for) runs the layer without autograd and gives gradients
+    only to the tensors the layer returns directly: losses left inside the Routing would lose theirs.
+    `unpack_layer_outputs` puts them back."""
+    aux, z = (routing.aux_loss, routing.z_loss) if routing is not None else (None, None)
+    return hidden_states, aux, z, routing, attn_weights
+
+
+def unpack_layer_outputs(outputs: tuple) -> tuple:
+    """(hidden_states, Routing | None, attention weights) from `layer_outputs`."""
+    hidden_states, aux, z, routing, attn_weights = outputs
+    if routing is not None:
+        routing = dataclasses.replace(routing, aux_loss=aux, z_loss=z)
+    return hidden_states, routing, attn_weights
 
 
 def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:

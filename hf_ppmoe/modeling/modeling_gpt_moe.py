@@ -29,9 +29,14 @@ from .common import (
     MoEPreTrainedModel,
     RMSNorm,
     build_norm,
+    check_ids,
+    check_tokens,
+    layer_outputs,
     mean_router_losses,
     router_loss_weight,
     routing_token_mask,
+    unpack_layer_outputs,
+    warn_if_no_targets,
 )
 from .configuration_gpt_moe import GPTMoEConfig
 
@@ -187,7 +192,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
             h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
         else:
             h = self.mlp(h)
-        return hidden_states + self.dropout(h), routing, attn_weights
+        return layer_outputs(hidden_states + self.dropout(h), routing, attn_weights)
 
 
 class GPTMoEPreTrainedModel(MoEPreTrainedModel):
@@ -241,17 +246,27 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             compute_router_losses = torch.is_grad_enabled() or output_router_logits
 
         if inputs_embeds is None:
+            check_tokens(input_ids.shape, "input_ids")
+            check_ids(input_ids, config.vocab_size, "Token ids", "Use the model's tokenizer (or resize the embeddings).")
             inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            check_tokens(inputs_embeds.shape, "inputs_embeds")
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
         seq_len = inputs_embeds.shape[1]
+        learned = config.position_embedding_type == "learned"
+        too_long = f"Learned positions end at max_position_embeddings={config.max_position_embeddings}: shorten the input (and max_new_tokens)."
         if position_ids is None:
             past_seen = cache.get_seq_length() if cache is not None else 0
+            if learned and isinstance(past_seen, int) and past_seen + seq_len > config.max_position_embeddings:
+                raise ValueError(f"This input reaches position {past_seen + seq_len - 1}. {too_long}")
             position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device).unsqueeze(0)
+        elif learned:
+            check_ids(position_ids, config.max_position_embeddings, "Position ids", too_long)
 
         hidden_states = inputs_embeds
         position_embeddings = None
-        if config.position_embedding_type == "learned":
+        if learned:
             hidden_states = hidden_states + self.embed_positions(position_ids)
         else:
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -274,7 +289,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, attn_weights = layer(
+            hidden_states, routing, attn_weights = unpack_layer_outputs(layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
@@ -283,7 +298,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
                 compute_router_losses=compute_router_losses,
                 position_ids=position_ids,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if output_attentions:
@@ -353,10 +368,12 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
 
         loss = None
         if labels is not None:
+            # the LM loss predicts labels[:, 1:] (or the shift_labels given)
+            targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
+            warn_if_no_targets(targets)
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
             if out.aux_loss is not None:
-                # the LM loss predicts labels[:, 1:] (or the shift_labels given); see router_loss_weight
-                weight = router_loss_weight(kwargs.get("shift_labels", labels[..., 1:]), kwargs.get("num_items_in_batch"))
+                weight = router_loss_weight(targets, kwargs.get("num_items_in_batch"))  # see router_loss_weight
                 config = self.config
                 loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return GPTMoECausalLMOutput(

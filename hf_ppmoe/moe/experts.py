@@ -324,7 +324,19 @@ def einsum_dispatch(
     C defaults to the largest per-group expert load of this batch: the gate has already applied any capacity (a
     route over capacity arrives as the sentinel), so that is all the buffer has to hold. Pass the gate's capacity
     for GShard's static shape.
+
+    The dispatch and combine einsums sum over all tokens of a group with 0/1 coefficients, and 0 * NaN is NaN: a
+    token with a non-finite input would turn every buffer slot, hence every token's output, NaN. Such tokens are
+    dispatched as zeros and their outputs set to NaN afterwards, so a non-finite value stays in its own token (as in
+    the `index` dispatch, which never mixes tokens); two elementwise operations, no host sync.
     """
+    finite = torch.isfinite(x).all(-1, keepdim=True)  # [T, 1]
+    x = x.masked_fill(~finite, 0.0)
+    out = _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity)
+    return out.masked_fill(~finite, float("nan"))
+
+
+def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> torch.Tensor:
     T, K = expert_ids.shape
     E, H = experts.num_experts, x.shape[-1]
     S = group_size or T
