@@ -183,15 +183,18 @@ def checkpoint(root: Path) -> dict:
     args = TrainArguments(output_dir=str(root / "run"), resume="latest")
     folder = root / "run" / "checkpoints"
     listing = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
+    record = {"run_id": "scenario"}  # what the checkpoint records of its run (hf_ppmoe.training.checkpoints)
 
-    save_checkpoint(accelerator, args, 2)
-    report = {"full_disk_error": out_of_space(lambda: save_checkpoint(accelerator, args, 4)), "after_full_disk": listing()}
-    report["signal"] = killed(signal.SIGKILL, lambda: save_checkpoint(accelerator, args, 4), after=(accelerator, "save_state"))
+    save_checkpoint(accelerator, args, 2, record)
+    report = {"full_disk_error": out_of_space(lambda: save_checkpoint(accelerator, args, 4, record)),
+              "after_full_disk": listing()}
+    report["signal"] = killed(signal.SIGKILL, lambda: save_checkpoint(accelerator, args, 4, record),
+                              after=(accelerator, "save_state"))
     report["after_kill"] = listing()
     latest = find_checkpoint(args)
     accelerator.load_state(str(latest))
     report["resumes_from"] = latest.name
-    save_checkpoint(accelerator, args, 6)  # a later save, as the resumed run makes
+    save_checkpoint(accelerator, args, 6, record)  # a later save, as the resumed run makes
     report["after_next_save"] = listing()
     return report
 
