@@ -1,5 +1,6 @@
 """`hf-ppmoe` command line: `hf-ppmoe demo [...]`, `hf-ppmoe train [...]` (= `python -m hf_ppmoe.training`),
-`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`."""
+`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe export SRC OUT --to NAME`,
+`hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ COMMANDS = {
     "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
     "import": "Import an MoE checkpoint (Mixtral; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
 }
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from .architectures import get_architecture
-from .io import open_checkpoint, read_config_dict
+from .io import open_checkpoint
 from .mapping import ConversionError
 from .pipeline import deliver
-from .upcycle import MODEL_CLASSES, experts_mapping, moe_ffns, run_on_text, sample_ids
+from .upcycle import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
 
 MERGE_METHODS = ("mean", "usage", "expert")
 
@@ -89,17 +89,7 @@ def merge_experts(
     if method not in MERGE_METHODS:
         raise ValueError(f"method={method!r}; use one of {', '.join(MERGE_METHODS)}.")
 
-    def load_config(folder: Path):
-        model_type = read_config_dict(folder).get("model_type")
-        if model_type not in MODEL_CLASSES:
-            raise ConversionError(
-                f"{folder} holds a {model_type!r} model; merge_experts reads GPT-MoE and Seq2Seq-MoE checkpoints "
-                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}) made by upcycle or import_moe. Import an MoE "
-                "checkpoint with import_moe first."
-            )
-        return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
-
-    checkpoint = open_checkpoint(moe, load_config)
+    checkpoint = open_checkpoint(moe, moe_config_loader("merge_experts"))
     config = checkpoint.config
     record = getattr(config, "conversion", None)
     if not isinstance(record, dict) or "dense_config" not in record:

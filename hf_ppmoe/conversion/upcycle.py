@@ -37,6 +37,22 @@ ROUTER_INITS = ("zeros", "random", "hidden")
 MODEL_CLASSES = {GPTMoEConfig.model_type: GPTMoEForCausalLM, Seq2SeqMoEConfig.model_type: Seq2SeqMoEForConditionalGeneration}
 
 
+def moe_config_loader(reader: str):
+    """folder -> its GPT-MoE / Seq2Seq-MoE config, for the functions that read our checkpoints (`reader` names the
+    function in the error a folder of another model gets)."""
+
+    def load(folder: Path):
+        model_type = read_config_dict(folder).get("model_type")
+        if model_type not in MODEL_CLASSES:
+            raise ConversionError(
+                f"{folder} holds a {model_type!r} model; {reader} reads GPT-MoE and Seq2Seq-MoE checkpoints "
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). Import an MoE checkpoint with import_moe first."
+            )
+        return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
+
+    return load
+
+
 def moe_ffns(config) -> dict[int, str]:
     """The MoE layers of a GPT-MoE or Seq2Seq-MoE config: {FFN number: name prefix}. FFNs are numbered in order,
     the encoder's before the decoder's; the number keys `routers` and `merge_weights` and seeds each FFN's noise."""
@@ -388,6 +404,7 @@ __all__ = [
     "gate_renormalizes",
     "hidden_router_rows",
     "import_moe",
+    "moe_config_loader",
     "moe_ffns",
     "run_on_text",
     "sample_ids",

@@ -93,7 +93,7 @@ def _t5_bias(attention, relative_position: torch.Tensor) -> torch.Tensor:
 class _FlatModel:
     """Runs the model on the flat layout: a prefill of the B prompts, then K new tokens per row and step."""
 
-    MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+    MODEL_INPUTS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep",
                     "encoder_outputs", "output_router_logits", "return_dict"}
 
     def __init__(self, model, input_ids, K, max_length, model_kwargs):
@@ -115,7 +115,7 @@ class _FlatModel:
         if tensors:
             _fail(f"does not know how to lay out the model inputs {tensors} over the flat buffer.")
 
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get("cache")
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         if not isinstance(self_cache, DynamicCache) or cache.get_seq_length() != 0:
             _fail("needs an empty DynamicCache (the default); a static or pre-filled cache has the wrong layout.")
@@ -161,7 +161,7 @@ class _FlatModel:
         self.slot_pos = self.prompt_pos.clone()
 
     def _call(self, ids, **kwargs):
-        kwargs.update(past_key_values=self.cache, use_cache=True, return_dict=True, **self.extra)
+        kwargs.update(cache=self.cache, use_cache=True, return_dict=True, **self.extra)
         if self.enc_dec:
             return self.model(decoder_input_ids=ids, encoder_outputs=self.encoder_outputs,
                               attention_mask=self.encoder_mask, **kwargs)
@@ -297,7 +297,7 @@ def flat_beam_search(model, input_ids, logits_processor, stopping_criteria, gene
         scores=tuple(all_scores) if keep_scores else None,
         logits=tuple(all_logits) if keep_logits else None,
         beam_indices=beam_indices,
-        past_key_values=flat.cache,
+        cache=flat.cache,
     )
 
 

@@ -76,6 +76,21 @@ def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | No
     return aux, z
 
 
+def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor | float:
+    """The weight of one forward's router losses in its `loss`: 1, or its share of the label tokens (`targets`, -100
+    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step.
+
+    Transformers' Trainer passes `num_items_in_batch` (all micro-batches of gradient accumulation, and all data-parallel
+    replicas unless `average_tokens_across_devices=False`), adds up the micro-batches' losses without dividing by the
+    accumulation steps, and multiplies each by the replica count, which the replicas' gradient averaging undoes. A
+    router loss added in full would so count once per micro-batch and replica; weighted by the token share, one step's
+    router losses add up to their token-weighted mean over micro-batches and replicas: the plain mean our own training
+    loop takes when every micro-batch holds as many label tokens, whatever the accumulation and replica counts."""
+    if num_items_in_batch is None:
+        return 1.0
+    return (targets != -100).sum() / num_items_in_batch
+
+
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)
 _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 
@@ -136,7 +151,7 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True

@@ -25,7 +25,7 @@ class GPTMoEConfig(MoEConfig):
     """
 
     model_type = "gpt_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     default_theta = 10000.0
     # Transformers' parallel plans (keys relative to GPTMoEModel; styles "ppmoe_*" come from hf_ppmoe.parallel)
     base_model_tp_plan = {

@@ -46,7 +46,7 @@ class Seq2SeqMoEConfig(MoEConfig):
     """
 
     model_type = "seq2seq_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     # Transformers' parallel plans (keys relative to Seq2SeqMoEModel; styles "ppmoe_*", "replicated_input" and
     # "head_sharded_bias" come from hf_ppmoe.parallel)
     base_model_tp_plan = {

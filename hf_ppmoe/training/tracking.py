@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -41,6 +42,17 @@ class RouterMonitor:
 
     def reset(self):
         self.tokens, self.dropped, self.calls = {}, {}, {}
+
+    @contextmanager
+    def separately(self):
+        """Statistics gathered (and collected) inside the block are kept apart from those gathered outside it, which
+        go on accumulating afterwards: an evaluation in the middle of a logging interval."""
+        saved = self.tokens, self.dropped, self.calls
+        self.reset()
+        try:
+            yield
+        finally:
+            self.tokens, self.dropped, self.calls = saved
 
     def collect(self, reduce=lambda t: t) -> dict[str, float]:
         """Per layer: coefficient of variation of expert load (0 = perfectly balanced) and dropped-route fraction.

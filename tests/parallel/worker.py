@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config  # noqa: E402
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration  # noqa: E402
+from hf_ppmoe.modeling.common import router_loss_weight  # noqa: E402
 from hf_ppmoe.parallel import Pipeline, count_collectives, init_distributed, make_mesh, parallelize  # noqa: E402
 
 JOBS: dict[str, list] = {"two": [], "four": []}
@@ -398,7 +399,9 @@ def accumulate(ref, ids, mask, labels, microbatches):
         out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
         config = ref.config
         router = config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
-        loss = out.loss - router + router / microbatches
+        # the model weighs its router losses by the chunk's share of the label tokens; the pipeline takes their mean
+        share = router_loss_weight(chunk[2] if config.is_encoder_decoder else chunk[2][:, 1:], num_tokens)
+        loss = out.loss - share * router + router / microbatches
         loss.backward()
         total += loss.item()
     return total
