@@ -146,6 +146,6 @@ def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
     def size(tensors):
         return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
 
-    params = list(dict.fromkeys(model.parameters()))  # a tied weight once
+    params = list(model.parameters())
     states = [] if optimizer is None else [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
     return {"params": size(params), "grads": size(p.grad for p in params), "optimizer": size(states)}

@@ -46,6 +46,7 @@ def flags(corpus, out, steps=4, **extra):
         train_file=str(corpus / "train.txt"), config_name=str(corpus / "config_g1.json"), output_dir=str(out),
         max_steps=steps, per_device_train_batch_size=8, block_size=32, eval_steps=2, eval_batches=2,
         learning_rate=3e-3, warmup_steps=1, plots=False,
+        max_grad_norm=0.5,  # below these runs' gradient norms (0.58-0.65): every step is clipped by the global norm
         # Adam turns float noise on near-zero gradients into full +-lr steps; a larger epsilon keeps runs that
         # compute the same gradients in different orders (1 vs 2 processes) on the same trajectory
         adam_epsilon=1e-4,
@@ -266,6 +267,7 @@ def test_fsdp_equals_one_process(two_processes, reference_two_groups, corpus):
     metrics, gradient norms and the saved model equal the single process's; its evaluation of one batch (the other
     process runs the forward too, FSDP's all-gathers need both, and does not count it) is that batch's loss."""
     run = two_processes / "fsdp"
+    assert min(metrics(run, "train/grad_norm").values()) > 0.5  # every step clipped (--max_grad_norm 0.5)
     assert_same_run(reference_two_groups, run, steps=[1, 2, 3], extra=(("expert_load_cv/layers.1", 1e-4),))
     assert_same_model(run, reference_two_groups)
     assert metrics(run, "eval/loss")[3] == pytest.approx(eval_loss(run, corpus, batch_size=4, batches=1), rel=1e-5)
