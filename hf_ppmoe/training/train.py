@@ -9,29 +9,29 @@ scheduler and RNG states, `--resume` therefore continues exactly where an uninte
 checkpoint records about its run, and the checks that refuse a resume that would not continue it, are in
 `checkpoints.py`.
 
-`--tp_size N` splits the model over groups of N processes with hf_ppmoe.parallel (tensor parallelism, PPMoE expert
-parallelism); the groups are data-parallel replicas of each other (`DataParallel`). Accelerate keeps the loop,
-gradient accumulation, the schedule, RNG states, logging; it cannot wrap or checkpoint a DTensor-sharded model
-(its DDP refuses DTensors, its TP support composes only with FSDP2, and `save_state` writes model and optimizer from
-the main process alone), so the replicas average their gradients over the data-parallel group here and the model
-and optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards.
+`--tp_size`, `--pp_size`, `--fsdp_size` and `--ep_size` split the model over the processes with hf_ppmoe.parallel
+(`parallel_setup.py`: tensor parallelism with PPMoE expert parallelism, pipeline stages, FSDP2 / HSDP, experts over
+several tensor-parallel groups). Accelerate keeps the loop, gradient accumulation, the schedule, RNG states, logging;
+it cannot wrap or checkpoint a DTensor-sharded model (its DDP refuses DTensors, its TP support composes only with
+FSDP2, and `save_state` writes model and optimizer from the main process alone), so a split model's data-parallel
+processes (replicas, FSDP ranks) average their gradients through FSDP2 (HSDP with shard groups of one when nothing
+is sharded), the gradients are clipped by the whole model's norm (`parallel_setup.clip_grad_norm_`), and model and
+optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards. The final model
+is gathered (every shard, every stage) and written whole by rank 0. Evaluation of a sharded model runs every
+forward on every data-parallel process (FSDP's all-gathers are collectives), counting only its own batches.
 
-`--pp_size P` (GPT-MoE; with or without --tp_size T) cuts the model into P stages (`hf_ppmoe.parallel.Pipeline`) on a
-(dp, pp, tp) mesh of WORLD_SIZE / (P * T) replicas. A replica's batch for an optimizer step is the rows its
-micro-steps would have read, concatenated; one `Pipeline.step` runs them as the pipeline's microbatches (1F1B, or
-GPipe when there are fewer microbatches than stages). Gradients are averaged over the replicas and clipped by the
-whole model's norm (summed over the stages, a parameter several stages hold counted once); evaluation runs the
-stages forward one after another (`Pipeline.forward`); router metrics come from every stage. Checkpoints hold each
-stage's model and optimizer under its own key (torch.distributed.checkpoint); the final model is gathered from the
-stages and written whole by rank 0.
+`--pp_size P` (GPT-MoE) cuts the model into P stages (`hf_ppmoe.parallel.Pipeline`). A replica's batch for an
+optimizer step is the rows its micro-steps would have read, concatenated; one `Pipeline.step` runs them as the
+pipeline's microbatches (1F1B, or GPipe when there are fewer microbatches than stages). The norm sums the stages'
+(a parameter several stages hold counted once); evaluation runs the stages forward one after another
+(`Pipeline.forward`); router metrics come from every stage. Checkpoints hold each stage's model and optimizer under
+its own key.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import re
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -48,13 +48,14 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
-from ..parallel import Pipeline, make_mesh, parallelize
 from ..parallel.checkpoint import load_distributed_checkpoint
+from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
 
 
@@ -126,49 +127,6 @@ def build_model(args: TrainArguments, tokenizer):
     return model
 
 
-class DataParallel:
-    """The processes that share the data: all of Accelerate's (each holds the whole model; Accelerate's DDP averages
-    the gradients), or with `tp_size` / `pp_size` > 1 the replicas of a (dp, pp, tp) mesh, each `pp_size * tp_size`
-    consecutive processes (pipeline stages, each a tensor-parallel group) that see the same batches. `rank` / `size`
-    number the replicas."""
-
-    def __init__(self, accelerator: Accelerator, tp_size: int, pp_size: int = 1):
-        self.accelerator, self.mesh = accelerator, None
-        self.rank, self.size = accelerator.process_index, accelerator.num_processes
-        split = tp_size * pp_size
-        if split > 1:
-            if self.size % split:
-                sizes = " with ".join(f"--{n} {v}" for n, v in (("pp_size", pp_size), ("tp_size", tp_size)) if v > 1)
-                raise ValueError(
-                    f"{sizes} needs a multiple of {split} processes; this job has {self.size}. Start it "
-                    f"with `torchrun --nproc-per-node {split}` (or a multiple, for data parallelism on top)."
-                )
-            self.mesh = make_mesh(dp=self.size // split, pp=pp_size, tp=tp_size)
-            self.rank, self.size = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        """Sum or mean over the replicas (the processes of one tensor-parallel group hold the same value; those of
-        one pipeline, their own stage's)."""
-        if self.mesh is None:
-            return self.accelerator.reduce(tensor, reduction=reduction)
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=self.mesh["dp"].get_group())
-        return tensor / self.size if reduction == "mean" else tensor
-
-    @torch.no_grad()
-    def average_gradients(self, model) -> None:
-        """What DDP does for the replicas of a tensor-parallel model: every gradient (a split one's local shard)
-        averaged over the data-parallel group, in one flat all-reduce."""
-        if self.mesh is None or self.size == 1:
-            return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
-        grads = [g for g in grads if g is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]) / self.size
-        dist.all_reduce(flat, group=self.mesh["dp"].get_group())
-        for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(averaged.view_as(g))
-
-
 def batch_indices(step: int, micro: int, process: int, args: TrainArguments, world: int, n_blocks: int) -> torch.Tensor:
     """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
     b = args.per_device_train_batch_size
@@ -182,7 +140,7 @@ def batch_indices(step: int, micro: int, process: int, args: TrainArguments, wor
     return rows
 
 
-SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a tensor-parallel model and its optimizer
+SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
 
 
 def sharded_state(model, optimizer, stage: int | None = None) -> dict:
@@ -218,49 +176,6 @@ def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None
 
 
 @torch.no_grad()
-def clip_pipeline_grad_norm(pipe: Pipeline, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` of the whole model from its stages: the squares of the stage's gradient norms (a tensor-
-    parallel gradient's full norm) summed over the pipeline group, a parameter several stages hold counted by its
-    first holder only; every gradient is then scaled by the same factor. Returns the norm before clipping."""
-    repeated = {id(p) for key, p in pipe.module.shared_parameters().items() if pipe.holders[key][0] != pipe.rank}
-    params = [p for p in pipe.module.parameters() if p.grad is not None]
-    squares = torch.zeros((), device=pipe.device)
-    for p in params:
-        if id(p) not in repeated:
-            norm = torch.linalg.vector_norm(p.grad.float())
-            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-    dist.all_reduce(squares, group=pipe.group)
-    total = squares.sqrt()
-    if max_norm:
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0).item()  # as torch.nn.utils.clip_grad_norm_
-        for p in params:
-            p.grad.mul_(scale)
-    return total
-
-
-def gather_pipeline(pipe: Pipeline, dp: DataParallel):
-    """The whole model on rank 0 (None elsewhere), loaded from replica 0's stages: each stage's state dict (tensor-
-    parallel shards gathered) with its layers renamed to their indices in the whole model."""
-    layers, state = pipe.layers[pipe.rank], {}
-    for name, tensor in pipe.module.model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()  # a collective of the tensor-parallel group
-        name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{layers[int(m[1])]}.", name)
-        state[name] = tensor.detach().cpu()
-    if dp.mesh["dp"].get_local_rank() or dp.mesh["tp"].get_local_rank():
-        return None
-    stages = [None] * pipe.size if pipe.rank == 0 else None
-    dist.gather_object(state, stages, group=pipe.group, group_dst=0)
-    if pipe.rank != 0:
-        return None
-    config = copy.copy(pipe.module.model.config)
-    config.distributed_config = None  # set by tensor parallelism: save_pretrained would wait for the other ranks
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict({name: tensor for stage in stages for name, tensor in stage.items()})
-    return model
-
-
-@torch.no_grad()
 def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator, dp: DataParallel, pipe=None):
     """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas (with
     `pipe`, `model` is its stage: the stages run forward one after another, the last one computes the loss)."""
@@ -272,12 +187,17 @@ def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Acc
     batches = list(range(0, len(blocks), b))
     if args.eval_batches:
         batches = batches[: args.eval_batches]
+    mine = batches[dp.rank :: dp.size]
+    # a sharded model's forward is a collective of all data-parallel processes: one with fewer batches runs the
+    # others' extra forwards on its first batch (or the first one) and does not count them
+    rounds = -(-len(batches) // dp.size) if dp.sharded else len(mine)
     total = torch.zeros(2, device=accelerator.device)
-    for i in batches[dp.rank :: dp.size]:
+    for r in range(rounds):
+        i = mine[r] if r < len(mine) else batches[0]
         batch = blocks[i : i + b].to(accelerator.device)
         with accelerator.autocast():
             logits = forward(batch).logits if pipe is None else pipe.forward(batch)
-        if logits is None:  # not the pipeline's last stage
+        if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
             continue
         logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
         total[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
@@ -326,7 +246,7 @@ def main(args: TrainArguments) -> dict:
 
     model = build_model(args, tokenizer)
     args.check_model(model.config)
-    dp = DataParallel(accelerator, args.tp_size, args.pp_size)
+    dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
     run_id = (saved or {}).get("run_id") or new_run_id()
@@ -335,17 +255,8 @@ def main(args: TrainArguments) -> dict:
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
     model.train()
-    monitor, pipe = RouterMonitor(model), None
-    if args.pp_size > 1:  # every process built the same weights (same seed or checkpoint) and keeps its stage
-        micro = args.gradient_accumulation_steps
-        pipe = Pipeline(
-            model, dp.mesh["pp"], num_microbatches=micro, schedule="1f1b" if micro >= args.pp_size else "gpipe",
-            tp=dp.mesh["tp"] if args.tp_size > 1 else None,
-        )
-        model = pipe.module
-        monitor.keep_only(model)
-    elif dp.mesh is not None:
-        parallelize(model, dp.mesh["tp"])  # every process built the same weights (same seed or checkpoint)
+    monitor = RouterMonitor(model)
+    model, pipe = split_model(model, args, dp, monitor)  # with tp/pp/fsdp/ep sizes: see parallel_setup.py
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
@@ -386,8 +297,7 @@ def main(args: TrainArguments) -> dict:
             batch = blocks[torch.cat(rows)].to(accelerator.device)
             with accelerator.autocast():
                 pipe.step(batch, batch)
-            dp.average_gradients(model)
-            grad_norm = clip_pipeline_grad_norm(pipe, args.max_grad_norm)
+            grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp, pipe)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sums = torch.stack([pipe.losses[name] for name in ("lm", "aux", "z")])
@@ -397,12 +307,12 @@ def main(args: TrainArguments) -> dict:
             for micro in range(args.gradient_accumulation_steps):
                 batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
                 with accelerator.accumulate(model):
+                    set_gradient_sync(model, accelerator.sync_gradients)  # FSDP: reduce on the last micro-step only
                     with accelerator.autocast():
                         out = model(batch, labels=batch)
                     accelerator.backward(out.loss)
                     if accelerator.sync_gradients:
-                        dp.average_gradients(model)
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                        grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                 aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
@@ -442,8 +352,8 @@ def main(args: TrainArguments) -> dict:
 
     accelerator.wait_for_everyone()
     monitor.remove()
-    if pipe is not None:  # the whole model, on rank 0
-        unwrapped = gather_pipeline(pipe, dp)
+    if dp.mesh is not None:  # the whole model, on rank 0
+        unwrapped = gather_model(model, dp, pipe)
         if accelerator.is_main_process:
             unwrapped.save_pretrained(output_dir)
     else:

@@ -430,6 +430,20 @@ def seq2seq_four_stages():
     return {"gpipe": run_pipeline("gpipe", SEQ2SEQ_PIPELINE, dist.group.WORLD, None, layers=3)}
 
 
+@job("four")
+def sharded_memory():
+    """Bytes of parameters, gradients and AdamW state per rank after one step, for the training entry point's layouts
+    (benchmarks/memory.py's measurement, on a small model): the whole model's (1 process) and each layout's per rank."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.memory import measure
+
+    config = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_experts=4, num_experts_per_tok=2, moe_layer_frequency=2)
+    layouts = {"whole": {}, "fsdp4": dict(fsdp=4), "replicas2_fsdp2": dict(fsdp=2), "fsdp2_tp2": dict(fsdp=2, tp=2),
+               "fsdp2_pp2": dict(fsdp=2, pp=2), "fsdp4_ep4": dict(fsdp=4, ep=4), "tp2_pp2": dict(tp=2, pp=2)}
+    return {name: measure(layout, config) for name, layout in layouts.items()}
+
+
 def main(job_name: str, out_dir: str) -> None:
     init_distributed(timeout=timedelta(seconds=60))
     rank = dist.get_rank()
