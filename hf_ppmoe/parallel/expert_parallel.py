@@ -116,11 +116,10 @@ def _ppmoe_route(layer, route):
         out, routing = route(copy_to(x, group), token_mask, compute_losses)
         out = reduce_from(out, group)
         n = dist.get_world_size(group)
-        routing.router_logits = scale_grad(routing.router_logits, 1 / n)
+        scaled = {"router_logits": scale_grad(routing.router_logits, 1 / n)}
         if routing.aux_loss is not None:
-            routing.aux_loss = scale_grad(routing.aux_loss, 1 / n)
-            routing.z_loss = scale_grad(routing.z_loss, 1 / n)
-        return out, routing
+            scaled.update(aux_loss=scale_grad(routing.aux_loss, 1 / n), z_loss=scale_grad(routing.z_loss, 1 / n))
+        return out, routing._replace(**scaled)
 
     return ppmoe_route
 

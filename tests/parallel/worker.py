@@ -9,6 +9,7 @@ collective counts, error messages); each rank writes them to OUT_DIR/rank{r}.jso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -298,6 +299,83 @@ def pipeline_two_stages():
             results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, dist.group.WORLD, None)
         # encoder | decoder: the encoder output alone crosses, the second stage starts the decoder
         results[f"{schedule}/seq2seq"] = run_pipeline(schedule, SEQ2SEQ_PIPELINE, dist.group.WORLD, None)
+    return results
+
+
+@contextlib.contextmanager
+def accelerate_session():
+    """Accelerate keeps process-wide state (its AcceleratorState, environment variables it sets, Transformers'
+    DeepSpeed config): every check that uses it starts and leaves it clean."""
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    environment = dict(os.environ)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+@job("two")
+def deepspeed_zero3():
+    """DeepSpeed ZeRO-3 through Accelerate (gloo, CPU), plain loop, each rank on its half of every batch = one process
+    accumulating both halves, through three AdamW steps with clipping: GPT-MoE loaded under ZeRO-3's partitioned
+    init (`from_pretrained` while the DeepSpeed config is active, as the Trainer does), Seq2Seq-MoE built in memory."""
+    try:
+        import deepspeed
+    except ImportError:
+        return {"skipped": "deepspeed is not installed (pip install deepspeed, or the test extra)"}
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    # the CPU backend's shared-memory collectives are a C++ extension compiled on first use (minutes on 2 cores)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    rank, results = dist.get_rank(), {}
+    for family, settings in [("gpt", GATES["topk_capacity_shared"]), ("seq2seq", SEQ2SEQ_GATES["prototype_capacity"])]:
+        seq2seq = family == "seq2seq"
+        ref = build(seq2seq=seq2seq, **settings)
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"zero3_{family}")
+        save_checkpoint(settings, path, seq2seq)
+        with accelerate_session():
+            zero3 = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0,
+                     "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * dist.get_world_size()}
+            # backend: Accelerate counts the processes of a CPU DeepSpeed job only when it is named
+            accelerator = Accelerator(
+                deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=zero3),
+                kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+            )
+            model = build(seq2seq=True, **settings) if seq2seq else GPTMoEForCausalLM.from_pretrained(path).train()
+            numel_at_load = sum(p.numel() for p in model.parameters())
+            model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+            ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            steps = []
+            for step in range(3):
+                halves = [tuple(t[i : i + 2] for t in batch(seed=step + 1, seq2seq=seq2seq)) for i in (0, 2)]
+                ref_losses = []
+                for ids, mask, labels in halves:
+                    loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+                    (loss / 2).backward()
+                    ref_losses.append(loss.item())
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+                ref_optimizer.step()
+                ref_optimizer.zero_grad()
+                ids, mask, labels = halves[rank]
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                steps.append({"loss": loss.item(), "ref_loss": ref_losses[rank]})
+            inner = accelerator.unwrap_model(model)
+            with deepspeed.zero.GatheredParameters(list(inner.parameters())):
+                params_after = max_diff(inner, ref, what="param")
+            results[family] = {
+                "steps": steps, "params_after": params_after, "processes": accelerator.num_processes,
+                "numel_at_load": numel_at_load,
+            }
     return results
 
 
