@@ -302,6 +302,36 @@ def pipeline_two_stages():
     return results
 
 
+@job("two")
+def ppmoe_on_transformers_moe():
+    """DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe") on Transformers' own Qwen3-MoE (its router
+    outside the experts; normalised top-k weights or not) = one process through two optimizer steps."""
+    from transformers import DistributedConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    results = {}
+    for norm_topk_prob in (True, False):
+        config = Qwen3MoeConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=norm_topk_prob, output_router_logits=True, router_aux_loss_coef=0.1, pad_token_id=0,
+        )
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"qwen3_moe_{norm_topk_prob}")
+        if dist.get_rank() == 0:
+            torch.manual_seed(0)
+            Qwen3MoeForCausalLM(config).save_pretrained(path)
+        dist.barrier()
+        ep = DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+        model = Qwen3MoeForCausalLM.from_pretrained(path, distributed_config=ep).train()
+        ref = Qwen3MoeForCausalLM.from_pretrained(path).train()
+        experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+        results[f"norm_topk_prob={norm_topk_prob}"] = {
+            "steps": train_pair(model, ref, lm_step),
+            "params_after": max_diff(model, ref, what="param"),
+            "local_experts": sorted({e.num_experts for e in experts}),
+        }
+    return results
+
+
 @contextlib.contextmanager
 def accelerate_session():
     """Accelerate keeps process-wide state (its AcceleratorState, environment variables it sets, Transformers'
