@@ -332,6 +332,43 @@ def ppmoe_on_transformers_moe():
     return results
 
 
+@job("two")
+def transformers_pipeline():
+    """GPT-MoE under Transformers' own pipeline parallelism (from_pretrained(distributed_config=DistributedConfig(
+    pp_size=2))), Llama and GPT-2 style: logits and greedy generation (left padding, KV cache) = one process; a
+    training forward and an encoder-decoder are refused."""
+    from transformers import DistributedConfig
+
+    results, pp = {}, DistributedConfig(pp_size=2)
+    ids, mask, _ = batch(size=3, length=7)
+    mask[-1, -4:] = 1  # generation pads on the left only
+    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
+        settings = dict(num_hidden_layers=4, moe_layer_frequency=2, **style)
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"pp_{style_name}")
+        save_checkpoint(settings, path)
+        model = GPTMoEForCausalLM.from_pretrained(path, distributed_config=pp)
+        ref = GPTMoEForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            logits = (model(input_ids=ids, attention_mask=mask).logits - ref(input_ids=ids, attention_mask=mask).logits)
+        kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        results[style_name] = {
+            "logits": logits.abs().max().item(),
+            "generate_equal": torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw)),
+            "layers_here": [i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn")],
+        }
+    try:
+        model.train()(input_ids=ids, labels=ids)
+    except RuntimeError as e:
+        results["training"] = str(e)
+    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "pp_seq2seq")
+    save_checkpoint({}, path, seq2seq=True)
+    try:
+        Seq2SeqMoEForConditionalGeneration.from_pretrained(path, distributed_config=pp)
+    except ValueError as e:
+        results["seq2seq"] = str(e)
+    return results
+
+
 @contextlib.contextmanager
 def accelerate_session():
     """Accelerate keeps process-wide state (its AcceleratorState, environment variables it sets, Transformers'
