@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the Trainer check runs the example's code
 from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config  # noqa: E402
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration  # noqa: E402
@@ -385,6 +386,38 @@ def accelerate_session():
         AcceleratorState._reset_state(reset_partial_state=True)
         os.environ.clear()
         os.environ.update(environment)
+
+
+@job("two")
+def trainer_distributed_config():
+    """Transformers' Trainer on models sharded at load time by DistributedConfig (examples/trainer_distributed.py):
+    FSDP2 with all-to-all expert parallelism over the FSDP ranks and gradient accumulation (GPT-MoE), FSDP2
+    (Seq2Seq-MoE) = one process; a tensor-parallel layout is refused by Accelerate on CPU."""
+    from transformers import DistributedConfig, Trainer, TrainingArguments
+    from trainer_distributed import compare
+
+    runs = {
+        "gpt/fsdp2_ep2_all_to_all": ("gpt", dict(fsdp_size=2, ep_size=2, ep_implementation="all_to_all"), 2),
+        "seq2seq/fsdp2": ("seq2seq", dict(fsdp_size=2), 1),
+    }
+    results = {}
+    for name, (family, layout, accumulation) in runs.items():
+        output_dir = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"trainer_{family}")
+        with accelerate_session():
+            results[name] = compare(
+                family, DistributedConfig(**layout), accumulation=accumulation, output_dir=output_dir
+            )
+    with accelerate_session():
+        model = GPTMoEForCausalLM.from_pretrained(
+            os.path.join(os.environ["PARALLEL_TEST_DIR"], "trainer_gpt", "initial_gpt"),
+            distributed_config=DistributedConfig(tp_size=2),
+        )
+        args = TrainingArguments(output_dir=os.environ["PARALLEL_TEST_DIR"], report_to=[], use_cpu=True)
+        try:
+            Trainer(model=model, args=args)
+        except ValueError as e:
+            results["tp_on_cpu"] = str(e)
+    return results
 
 
 @job("two")
