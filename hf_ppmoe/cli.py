@@ -1,5 +1,6 @@
 """`hf-ppmoe` command line: `hf-ppmoe demo [...]`, `hf-ppmoe train [...]` (= `python -m hf_ppmoe.training`),
-`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`."""
+`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe export SRC OUT --to NAME`,
+`hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from transformers import HfArgumentParser
 COMMANDS = {
     "demo": "Built-in corpus: dense GPT-2 -> upcycled GPT-MoE -> fine-tuned vs dense -> flat beam search -> merged back.",
     "train": "Train or fine-tune a causal LM (data / tensor / expert / pipeline parallel): hf-ppmoe train --help.",
-    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
+    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
-    "import": "Import an MoE checkpoint (Mixtral; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "import": "Import an MoE checkpoint (Mixtral, Qwen3-MoE; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
 }
 
@@ -54,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from .conversion.commands import COMMANDS as CONVERSIONS
     from .conversion.mapping import ConversionError
+    from .utils.atomic import OutOfSpaceError
 
     arguments, run, description = CONVERSIONS[command]
     parser = HfArgumentParser(
@@ -62,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     (args,) = parser.parse_args_into_dataclasses(_positional(rest, ("source", "output")))
     try:
         out = run(args)
-    except (ConversionError, FileExistsError) as err:
+    except (ConversionError, FileExistsError, OutOfSpaceError) as err:
         print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -45,7 +45,7 @@ from transformers.distributed.expert_parallel import EPImplementation, EPImpleme
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer
 
-from .comm import copy_to, reduce_from, scale_grad
+from .comm import copy_to, reduce_from, scale_grad, sum_grad_over
 from .tensor_parallel import ReplicatedInputParallel
 
 
@@ -72,15 +72,6 @@ class PPMoEExperts(EPImplementation):
             return self.experts_forward(hidden_states, local, top_k_weights)
         hidden_states, top_k_weights = copy_to(hidden_states, self.group), copy_to(top_k_weights, self.group)
         return reduce_from(self.experts_forward(hidden_states, local, top_k_weights), self.group)
-
-
-def _sum_gradient_over(group):
-    def hook(grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return hook
 
 
 def share_router_generator(gate, group, device_type: str) -> None:
@@ -121,9 +112,7 @@ def _ppmoe_route(layer, route):
         group = getattr(layer.experts, "_ppmoe_group", None)
         if group is None:  # whole experts on every rank, or another expert-parallel implementation
             return route(x, token_mask, compute_losses)
-        if getattr(gate.weight, "_ppmoe_grad_group", None) is not group:  # parameters may be replaced by loading
-            gate.weight.register_hook(_sum_gradient_over(group))
-            gate.weight._ppmoe_grad_group = group
+        sum_grad_over(gate.weight, group)  # here, not at install: parameters may be replaced by loading
         out, routing = route(copy_to(x, group), token_mask, compute_losses)
         out = reduce_from(out, group)
         n = dist.get_world_size(group)

@@ -12,7 +12,10 @@ sub-mesh of a (pp, tp) mesh for TP x PP, a trimmed pipeline stage, or a model yo
     MoE layer           PPMoE: whole experts split over the group, replicated router (expert_parallel.py)
     embeddings / head   vocabulary split (embedding_rowwise / colwise_gather_output)
 
-Norms, routers and learned position embeddings stay whole (replicated) on every rank.
+Norms, routers and learned position embeddings stay whole (replicated) on every rank. Qwen3's per-head q/k norms
+("replicated_grad_sum") sit between the colwise projections and the attention, so they see only this rank's heads:
+their weights are replicated and their gradients, partial on each rank, summed over the group in every backward pass
+(two all-reduces of [head_dim]).
 
 Transformers' colwise rule turns its input into a replicated DTensor itself, so q, k and v (or gate and up) each
 all-reduce their input gradient: three (two) all-reduces of [T, H] in backward where Megatron has one. The
@@ -33,6 +36,7 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
 from ..modeling.common import MoEPreTrainedModel
+from .comm import sum_grad_over
 
 
 def _replicated(x, mesh):
@@ -54,6 +58,26 @@ class ReplicatedInputParallel(TensorParallelLayer):
         return args, kwargs
 
 
+class ReplicatedGradSumParallel(TensorParallelLayer):
+    """Plan style "replicated_grad_sum": a replicated module whose parameter gradients are partial on each rank
+    (Qwen3's q_norm / k_norm, which normalise only this rank's heads); they are summed over the group in every
+    backward pass, by a hook on the gradient registered on the first forward after loading. Transformers'
+    "replicated_with_grad_allreduce" all-reduces `param.grad` after accumulation instead, which under gradient
+    accumulation sums the earlier micro-batches' already summed gradients again."""
+
+    def install_forward(self, module, mesh):
+        group = mesh.get_group()
+
+        def hook(module, args):
+            if torch.is_grad_enabled():
+                for p in module.parameters(recurse=False):
+                    if p.requires_grad:
+                        sum_grad_over(p, group)
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
 class HeadShardedBiasParallel(EmbeddingParallel):
     """Plan style "head_sharded_bias": a relative position bias table [buckets, heads] split on the heads, whose
     lookup stays this rank's heads (split as the attention's colwise q/k/v split them)."""
@@ -67,6 +91,7 @@ class HeadShardedBiasParallel(EmbeddingParallel):
 
 ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
 ALL_PARALLEL_STYLES.register("head_sharded_bias", HeadShardedBiasParallel())
+ALL_PARALLEL_STYLES.register("replicated_grad_sum", ReplicatedGradSumParallel())
 
 
 def _mesh(group_or_mesh, model) -> DeviceMesh:

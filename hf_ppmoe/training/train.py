@@ -5,7 +5,9 @@ apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) 
 
 Data order is a pure function of (seed, step): the global batch of step s is the s-th slice of per-epoch seeded
 permutations, cut into micro-batches and data-parallel shards. Together with Accelerate's saved optimizer,
-scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be.
+scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be; what a
+checkpoint records about its run, and the checks that refuse a resume that would not continue it, are in
+`checkpoints.py`.
 
 `--tp_size N` splits the model over groups of N processes with hf_ppmoe.parallel (tensor parallelism, PPMoE expert
 parallelism); the groups are data-parallel replicas of each other (`DataParallel`). Accelerate keeps the loop,
@@ -30,8 +32,8 @@ import copy
 import json
 import math
 import re
-import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -39,7 +41,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
@@ -47,11 +49,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_sc
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..parallel import Pipeline, make_mesh, parallelize
+from ..parallel.checkpoint import load_distributed_checkpoint
+from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
+from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
+from .consistency import check_processes_agree
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
-
-CHECKPOINT_PREFIX = "step_"
 
 
 def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
@@ -178,18 +182,6 @@ def batch_indices(step: int, micro: int, process: int, args: TrainArguments, wor
     return rows
 
 
-def find_checkpoint(args: TrainArguments) -> Path | None:
-    if not args.resume:
-        return None
-    if args.resume != "latest":
-        return Path(args.resume)
-    done = sorted(Path(args.output_dir, "checkpoints").glob(f"{CHECKPOINT_PREFIX}*[0-9]"), key=lambda p: int(p.name.split("_")[1]))
-    done = [p for p in done if (p / "trainer_state.json").exists()]
-    if not done:
-        raise ValueError(f"--resume latest: no complete checkpoint in {args.output_dir}/checkpoints.")
-    return done[-1]
-
-
 SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a tensor-parallel model and its optimizer
 
 
@@ -201,29 +193,26 @@ def sharded_state(model, optimizer, stage: int | None = None) -> dict:
     return state if stage is None else {f"stage_{stage}": state}
 
 
-def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, sharded=None) -> None:
-    """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint).
-    sharded: (model, optimizer, pipeline stage or None) that Accelerate does not hold (tensor / pipeline parallel),
-    saved by every process."""
-    root = Path(args.output_dir, "checkpoints")
-    final, staging = root / f"{CHECKPOINT_PREFIX}{step}", root / f"{CHECKPOINT_PREFIX}{step}.saving"
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    if sharded is not None:
-        dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, sharded=None) -> None:
+    """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
+    (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step), with
+    the run's `record` (hf_ppmoe.training.checkpoints). sharded: (model, optimizer, pipeline stage or None) that
+    Accelerate does not hold (tensor / pipeline parallel), saved by every process."""
+    final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
+    with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
+        (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
+        accelerator.save_state(str(staging))
+        if sharded is not None:
+            dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_state(staging, step, record)
     accelerator.wait_for_everyone()
 
 
 def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
     state = sharded_state(model, optimizer, stage)
-    dcp.load(state, checkpoint_id=path)
+    load_distributed_checkpoint(state, path)
     state = state if stage is None else state[f"stage_{stage}"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
@@ -305,10 +294,11 @@ def main(args: TrainArguments) -> dict:
     """Train; returns a summary (final step, eval loss, output folder). See `python -m hf_ppmoe.training --help`."""
     args.validate()
     checkpoint = find_checkpoint(args)
-    resume_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"] if checkpoint else None
+    saved = read_checkpoint(checkpoint) if checkpoint else None  # its files checked before anything is built
+    resume_step = saved["step"] if saved else None
     output_dir = Path(args.output_dir)
-    trackers = [JSONLinesTracker("hf-ppmoe", str(output_dir / "logs"), resume_step)]
-    trackers += [name for name in args.report_to if name != "jsonl"]
+    jsonl = JSONLinesTracker("hf-ppmoe", str(output_dir / "logs"), resume_step)  # writes nothing before training
+    trackers = [jsonl] + [name for name in args.report_to if name != "jsonl"]
     accelerator = Accelerator(
         # without an accelerator, say so: Accelerate only recognises several CPU processes (torchrun) as data
         # parallel when told it runs on the CPU
@@ -337,6 +327,13 @@ def main(args: TrainArguments) -> dict:
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size)
+    check_processes_agree(args, model)
+    # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
+    run_id = (saved or {}).get("run_id") or new_run_id()
+    record = run_record(args, model.config, blocks, accelerator.num_processes, run_id)
+    changes = check_resume(saved, record, args.allow_resume_changes) if saved else {}
+    if saved:
+        record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
     model.train()
     monitor, pipe = RouterMonitor(model), None
     if args.pp_size > 1:  # every process built the same weights (same seed or checkpoint) and keeps its stage
@@ -364,7 +361,6 @@ def main(args: TrainArguments) -> dict:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
-    accelerator.init_trackers("hf-ppmoe", config=json.loads(args.to_json()))
     start_step = 0
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
@@ -372,6 +368,12 @@ def main(args: TrainArguments) -> dict:
             load_sharded(checkpoint / SHARDED, *sharded)
         start_step = resume_step
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    # training starts: from here on the output folder's logs are this run's
+    accelerator.init_trackers("hf-ppmoe", config={**json.loads(args.to_json()), "run_id": record["run_id"]})
+    if changes:
+        accelerator.print(f"warning: resumed with changed settings (--allow_resume_changes): {changes}")
+        if accelerator.is_main_process:
+            jsonl.log({"resumed_with_changes": changes}, step=start_step)
 
     config = pipe.module.model.config if pipe else accelerator.unwrap_model(model).config
     tokens_per_step = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size
@@ -436,7 +438,7 @@ def main(args: TrainArguments) -> dict:
             accelerator.log(metrics, step=done)
         bar.set_postfix(loss=f"{sums[0].item():.3f}", aux=f"{sums[1].item():.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.checkpointing_steps and done % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, args, done, sharded)
+            save_checkpoint(accelerator, args, done, record, sharded)
 
     accelerator.wait_for_everyone()
     monitor.remove()

@@ -66,6 +66,16 @@ def test_moe_layer_communicates_as_a_dense_ffn(two_ranks, style):
     assert sorted(moe["backward"]) == sorted(dense["backward"] + [["all_reduce", E * H * b]])
 
 
+def test_qwen3_attention_sums_only_its_per_head_norm_gradients(two_ranks):
+    """Qwen3's q/k norms normalise this rank's heads with replicated weights: the attention communicates as Llama's
+    plus one all-reduce of each norm's [head_dim] gradient in backward (gradients equal: tp_ep_every_gate, gshard)."""
+    result = two_ranks("communication_per_layer", rank=0)
+    T, H, D, b = (result["sizes"][k] for k in ("T", "H", "head_dim", "bytes_per_element"))
+    attention = result["qwen3/attention"]
+    assert attention["forward"] == [["all_reduce", T * H * b]]
+    assert sorted(attention["backward"]) == sorted([["all_reduce", T * H * b], ["all_reduce", D * b], ["all_reduce", D * b]])
+
+
 def test_encoder_decoder_attention_communicates_as_megatron(two_ranks):
     """Heads split with the relative position bias looked up per rank (no communication of its own): self-attention
     issues one all-reduce of [T, H] each way; cross-attention adds one for the encoder output's gradient [S, H]."""

@@ -21,7 +21,7 @@ def test_two_stages_equal_single_process(two_ranks, case):
         assert_matches(rank[case])
 
 
-@pytest.mark.parametrize("case", ["gpipe/llama", "1f1b/gpt2", "1f1b/seq2seq"])
+@pytest.mark.parametrize("case", ["gpipe/qwen3", "1f1b/gpt2", "1f1b/seq2seq"])
 def test_tp_times_pp_equals_single_process(four_ranks, case):
     for rank in four_ranks("tp_times_pp"):
         assert_matches(rank[case])

@@ -27,13 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the
 from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config  # noqa: E402
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration  # noqa: E402
+from hf_ppmoe.modeling.common import router_loss_weight  # noqa: E402
 from hf_ppmoe.parallel import Pipeline, count_collectives, init_distributed, make_mesh, parallelize  # noqa: E402
 
 JOBS: dict[str, list] = {"two": [], "four": []}
 LLAMA = {}
-# the gates of the proof: capacity-limited, random routing, jitter, groups, padding; alternate the two dense styles
+QWEN3 = dict(qk_norm=True)  # Llama's layout plus per-head q/k norms: replicated weights with partial gradients under TP
+# the gates of the proof: capacity-limited, random routing, jitter, groups, padding; alternate the dense styles
 GATES = {
-    "gshard_random_capacity": dict(router_type="gshard", capacity_factor=1.0, router_num_groups=2, **LLAMA),
+    "gshard_random_capacity": dict(router_type="gshard", capacity_factor=1.0, router_num_groups=2, **QWEN3),
     "switch_jitter_capacity": dict(
         router_type="switch", num_experts_per_tok=1, capacity_factor=1.0, router_jitter_noise=0.1, **GPT2_STYLE
     ),
@@ -262,11 +264,11 @@ def communication_per_layer():
     """Collectives and bytes of one layer's forward and backward, per module: attention, dense FFN, MoE layer."""
     results = {}
     T, H = 2 * 8, 32
-    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
+    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE, "qwen3": QWEN3}.items():
         model = parallelize(build(moe_layer_frequency=2, **style), dist.group.WORLD)
         dense, moe = model.model.layers[0], model.model.layers[1]
         x = torch.randn(2, 8, H, requires_grad=True)
-        positions = model.model.rotary_emb(x, torch.arange(8)[None]) if style_name == "llama" else None
+        positions = model.model.rotary_emb(x, torch.arange(8)[None]) if style_name != "gpt2" else None
         runs = {
             "attention": lambda: dense.self_attn(x, position_embeddings=positions, attention_mask=None)[0],
             "dense_ffn": lambda: dense.mlp(x),
@@ -287,7 +289,7 @@ def communication_per_layer():
     }
     for name, run in runs.items():
         results[f"seq2seq/{name}"] = collectives_of(run)
-    results["sizes"] = {"T": T, "S": 2 * 12, "H": H, "E": 4, "bytes_per_element": 4}
+    results["sizes"] = {"T": T, "S": 2 * 12, "H": H, "E": 4, "head_dim": 8, "bytes_per_element": 4}
     return results
 
 
@@ -576,7 +578,9 @@ def accumulate(ref, ids, mask, labels, microbatches):
         out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
         config = ref.config
         router = config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
-        loss = out.loss - router + router / microbatches
+        # the model weighs its router losses by the chunk's share of the label tokens; the pipeline takes their mean
+        share = router_loss_weight(chunk[2] if config.is_encoder_decoder else chunk[2][:, 1:], num_tokens)
+        loss = out.loss - share * router + router / microbatches
         loss.backward()
         total += loss.item()
     return total
@@ -587,10 +591,11 @@ def accumulate(ref, ids, mask, labels, microbatches):
 
 @job("four")
 def tp_times_pp():
-    """TP=2 x PP=2 on a (pp, tp) mesh, both schedules: loss and gradients = single-process accumulation."""
+    """TP=2 x PP=2 on a (pp, tp) mesh, both schedules: loss and gradients = single-process accumulation (q/k norm
+    gradients, partial per TP rank, summed per microbatch: accumulation must not sum them twice)."""
     mesh = make_mesh(pp=2, tp=2, timeout=timedelta(seconds=60))
     results = {}
-    for schedule, (style_name, style) in [("gpipe", ("llama", LLAMA)), ("1f1b", ("gpt2", GPT2_STYLE))]:
+    for schedule, (style_name, style) in [("gpipe", ("qwen3", QWEN3)), ("1f1b", ("gpt2", GPT2_STYLE))]:
         results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, mesh["pp"], mesh["tp"])
     results["1f1b/seq2seq"] = run_pipeline("1f1b", SEQ2SEQ_PIPELINE, mesh["pp"], mesh["tp"])
     return results
