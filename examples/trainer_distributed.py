@@ -18,8 +18,9 @@ Trainer's gradient accumulation of `model(...).loss` over the same micro-batches
 of each step, in rank order), global-norm clipping at 1.0 and AdamW. The script prints the largest differences of
 the per-step losses and of the parameters after training; with --check it exits with status 1 above the tolerance.
 
-The Trainer adds each micro-batch's router losses in full (the LM loss is a token mean over the whole step), so their
-weight grows with data-parallel size x gradient accumulation; the reference does the same, so the comparison holds.
+Router losses: given the label tokens of the whole step (`num_items_in_batch`, which the Trainer passes and the
+reference passes too), the model weighs each micro-batch's router losses by its share of them, as it divides the LM
+loss (README, Fine-tuning with Transformers' Trainer).
 """
 
 from __future__ import annotations

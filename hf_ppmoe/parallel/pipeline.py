@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor
 from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
+from ..modeling.common import layer_outputs
 from ..moe.layer import MoELayer
 from .tensor_parallel import parallelize
 
@@ -130,10 +131,10 @@ class _NoPositions(nn.Module):
 
 class _LayerOfAnotherStage(nn.Module):
     """Stands in for a decoder layer that another stage of Transformers' pipeline holds: the hidden states pass
-    through, with no routing and no attention weights (our layers' `(hidden, Routing | None, weights)` contract)."""
+    through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        return hidden_states, None, None
+        return layer_outputs(hidden_states, None, None)
 
 
 def fit_transformers_pipeline_stage(model) -> None:
@@ -142,11 +143,12 @@ def fit_transformers_pipeline_stage(model) -> None:
     Transformers' `apply_pipeline_parallelism` keeps this rank's slice of `model.model.layers` and puts an identity
     that returns the hidden states alone in place of the others: its decoder layers return only their hidden states,
     and each stage sends the last hidden states [B, L, H] to the next, which takes them as `inputs_embeds` (the last
-    stage's logits are broadcast to every rank). Our decoder layers also return their `Routing` (the model's router
-    losses are computed from it inside the forward), so those identities become `_LayerOfAnotherStage`. A stage after
-    the first receives hidden states that already carry the learned position embeddings and the embedding dropout,
-    and drops its own, as `GPTMoEStage` does. The stages pass activations without gradients, so training through
-    them is refused with a message instead of silently updating the last stage alone."""
+    stage's logits are broadcast to every rank). Our decoder layers also return their `Routing` and router losses
+    (`layer_outputs`: the model's router losses are computed from them inside the forward), so those identities
+    become `_LayerOfAnotherStage`. A stage after the first receives hidden states that already carry the learned
+    position embeddings and the embedding dropout, and drops its own, as `GPTMoEStage` does. The stages pass
+    activations without gradients, so training through them is refused with a message instead of silently updating
+    the last stage alone."""
     base = model.model
     for i, layer in enumerate(base.layers):
         if isinstance(layer, PipelineIdentityLayer):
