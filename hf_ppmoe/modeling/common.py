@@ -17,7 +17,6 @@ where the model has floating-point ones, and NaN or infinity.
 from __future__ import annotations
 
 import contextvars
-import dataclasses
 import importlib.util
 import os
 import re
@@ -129,7 +128,7 @@ def unpack_layer_outputs(outputs: tuple) -> tuple:
     """(hidden_states, Routing | None, attention weights) from `layer_outputs`."""
     hidden_states, aux, z, routing, attn_weights = outputs
     if routing is not None:
-        routing = dataclasses.replace(routing, aux_loss=aux, z_loss=z)
+        routing = routing._replace(aux_loss=aux, z_loss=z)
     return hidden_states, routing, attn_weights
 
 

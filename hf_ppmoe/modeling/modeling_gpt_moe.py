@@ -256,8 +256,11 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         seq_len = inputs_embeds.shape[1]
         learned = config.position_embedding_type == "learned"
         too_long = f"Learned positions end at max_position_embeddings={config.max_position_embeddings}: shorten the input (and max_new_tokens)."
+        # positions and masks are sized by the cache of the first layer this model runs: under Transformers' pipeline
+        # parallelism the layers a stage does not hold are stand-ins that keep no cache
+        cache_layer = next((layer.self_attn.layer_idx for layer in self.layers if hasattr(layer, "self_attn")), 0)
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
+            past_seen = cache.get_seq_length(cache_layer) if cache is not None else 0
             if learned and isinstance(past_seen, int) and past_seen + seq_len > config.max_position_embeddings:
                 raise ValueError(f"This input reaches position {past_seen + seq_len - 1}. {too_long}")
             position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device).unsqueeze(0)
@@ -279,6 +282,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
+            layer_idx=cache_layer,
         )
         # padding tokens are kept out of routing statistics and router losses (a 4D mask carries no such notion)
         token_mask = routing_token_mask(

@@ -197,9 +197,23 @@ def _resolve_parallel_plans(self, distributed_config):
 
 
 def _maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-    """Transformers' `maybe_distribute_model`, keeping a tied head tied."""
+    """Transformers' `maybe_distribute_model`, keeping a tied head tied; with `pp_size > 1` the GPT-MoE stage is
+    completed (`fit_transformers_pipeline_stage`) and an encoder-decoder is refused (Transformers' stages cut the
+    `layers` of a decoder-only model)."""
+    pipeline = distributed_config is not None and distributed_config.pp_size > 1
+    if pipeline and model.config.is_encoder_decoder:
+        raise ValueError(
+            f"Transformers' pipeline parallelism (DistributedConfig(pp_size={distributed_config.pp_size})) cuts the "
+            f"decoder layers of a decoder-only model; {type(model).__name__} has an encoder and a decoder stack. Use "
+            "hf_ppmoe.parallel.Pipeline or `python -m hf_ppmoe.training --pp_size N`, which cut both stacks."
+        )
     with tied_head_kept(model):
-        return PreTrainedModel.maybe_distribute_model.__func__(cls, model, distributed_config, mesh_manager)
+        model = PreTrainedModel.maybe_distribute_model.__func__(cls, model, distributed_config, mesh_manager)
+    if pipeline:
+        from .pipeline import fit_transformers_pipeline_stage  # pipeline.py imports this module
+
+        fit_transformers_pipeline_stage(model)
+    return model
 
 
 MoEPreTrainedModel.init_parallel_plans = _init_parallel_plans

@@ -41,6 +41,17 @@ def test_transformers_entry_points(two_ranks, way):
         assert result["ppmoe"] == (way != "gpt/transformers_all_reduce_ep")
 
 
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_ppmoe_expert_parallelism_on_transformers_qwen3_moe(two_ranks, norm_topk_prob):
+    """Our registered "ppmoe" EP on a Transformers-native MoE (router outside the experts, no "ppmoe_ffn" layer):
+    the experts sum over the ranks themselves, so loss, gradients and parameters equal one process."""
+    for rank in two_ranks("ppmoe_on_transformers_moe"):
+        result = rank[f"norm_topk_prob={norm_topk_prob}"]
+        assert_steps_match(result["steps"])
+        assert result["params_after"] < ATOL
+        assert result["local_experts"] == [2]
+
+
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_moe_layer_communicates_as_a_dense_ffn(two_ranks, style):
     """PPMoE's claim (Sec. 3.3.4): an MoE layer issues what a tensor-parallel dense FFN issues, one all-reduce of
