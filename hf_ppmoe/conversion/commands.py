@@ -17,8 +17,8 @@ def _help(text: str) -> dict:
 
 @dataclass
 class _Paths:
-    source: str = field(metadata=_help("SRC: model folder (or Hub id) to convert."))
-    output: str = field(metadata=_help("OUT: output folder; must not exist yet unless --overwrite."))
+    source: str = field(metadata=_help("Model folder (or Hub id) to convert."))
+    output: str = field(metadata=_help("Output folder; must not exist yet unless --overwrite."))
 
 
 @dataclass

@@ -366,7 +366,12 @@ def main(args: TrainArguments) -> dict:
     accelerator.end_training()
     if args.push_to_hub and accelerator.is_main_process:
         push(unwrapped, tokenizer, args)
-    accelerator.print(f"saved to {output_dir.resolve()}")
+    if eval_metrics:
+        accelerator.print(
+            f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
+            f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out blocks, router losses excluded)"
+        )
+    accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
 

@@ -482,6 +482,8 @@ def test_bf16_mixed_precision_trains(corpus, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses, evals = metrics(tmp_path), metrics(tmp_path, "eval/loss")
     assert set(losses) == {1, 2} and all(math.isfinite(v) for v in [*losses.values(), *evals.values()]) and evals
+    # the run ends by printing its final evaluation (the LM loss alone, as logged)
+    assert f"step 2: eval loss {evals[2]:.4f}, perplexity {math.exp(evals[2]):.2f}" in result.stdout, result.stdout[-500:]
 
 
 def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(corpus, tmp_path):
