@@ -98,7 +98,7 @@ def upcycled(tmp_path_factory):
 
 
 def test_inputs_merge_usage_without_texts_says_so_before_loading(upcycled, tmp_path, capsys):
-    assert cli(["merge", str(upcycled), str(tmp_path / "dense"), "--method", "usage"]) == 1
+    assert cli(["merge", str(upcycled), str(tmp_path / "dense"), "--method", "usage"]) == 2
     error = capsys.readouterr().err
     assert "method='usage' needs sample_texts" in error and "--sample_file" in error, error
     assert not (tmp_path / "dense").exists()
