@@ -94,6 +94,8 @@ class Seq2SeqMoEConfig(MoEConfig):
             self.num_decoder_layers = self.num_hidden_layers
         super().__post_init__(**kwargs)
         self.validate()
+        if self.head_dim is None:  # stated, as Transformers' code (caches, attention helpers) reads it from configs
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
     def is_encoder_moe_layer(self, layer_idx: int) -> bool:
         return self.is_moe_layer(layer_idx, self.encoder_moe_layers, self.encoder_moe_layer_frequency)

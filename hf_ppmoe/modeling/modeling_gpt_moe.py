@@ -25,7 +25,19 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    RMSNorm,
+    build_norm,
+    check_ids,
+    check_tokens,
+    layer_outputs,
+    mean_router_losses,
+    router_loss_weight,
+    routing_token_mask,
+    unpack_layer_outputs,
+    warn_if_no_targets,
+)
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -41,7 +53,8 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given)."""
+    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given; the
+    router terms weighted by the batch's share of `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
@@ -110,12 +123,19 @@ class GPTMoEAttention(nn.Module):
         self.k_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, H, bias=config.attention_output_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: RMSNorm over each query / key head, before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
@@ -172,7 +192,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
             h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
         else:
             h = self.mlp(h)
-        return hidden_states + self.dropout(h), routing, attn_weights
+        return layer_outputs(hidden_states + self.dropout(h), routing, attn_weights)
 
 
 class GPTMoEPreTrainedModel(MoEPreTrainedModel):
@@ -226,17 +246,30 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             compute_router_losses = torch.is_grad_enabled() or output_router_logits
 
         if inputs_embeds is None:
+            check_tokens(input_ids.shape, "input_ids")
+            check_ids(input_ids, config.vocab_size, "Token ids", "Use the model's tokenizer (or resize the embeddings).")
             inputs_embeds = self.embed_tokens(input_ids)
+        else:
+            check_tokens(inputs_embeds.shape, "inputs_embeds")
         if use_cache and cache is None:
             cache = DynamicCache(config=config)
         seq_len = inputs_embeds.shape[1]
+        learned = config.position_embedding_type == "learned"
+        too_long = f"Learned positions end at max_position_embeddings={config.max_position_embeddings}: shorten the input (and max_new_tokens)."
+        # positions and masks are sized by the cache of the first layer this model runs: under Transformers' pipeline
+        # parallelism the layers a stage does not hold are stand-ins that keep no cache
+        cache_layer = next((layer.self_attn.layer_idx for layer in self.layers if hasattr(layer, "self_attn")), 0)
         if position_ids is None:
-            past_seen = cache.get_seq_length() if cache is not None else 0
+            past_seen = cache.get_seq_length(cache_layer) if cache is not None else 0
+            if learned and isinstance(past_seen, int) and past_seen + seq_len > config.max_position_embeddings:
+                raise ValueError(f"This input reaches position {past_seen + seq_len - 1}. {too_long}")
             position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device).unsqueeze(0)
+        elif learned:
+            check_ids(position_ids, config.max_position_embeddings, "Position ids", too_long)
 
         hidden_states = inputs_embeds
         position_embeddings = None
-        if config.position_embedding_type == "learned":
+        if learned:
             hidden_states = hidden_states + self.embed_positions(position_ids)
         else:
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -249,6 +282,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             attention_mask=attention_mask,
             cache=cache,
             position_ids=position_ids,
+            layer_idx=cache_layer,
         )
         # padding tokens are kept out of routing statistics and router losses (a 4D mask carries no such notion)
         token_mask = routing_token_mask(
@@ -259,7 +293,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, attn_weights = layer(
+            hidden_states, routing, attn_weights = unpack_layer_outputs(layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
@@ -268,7 +302,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
                 compute_router_losses=compute_router_losses,
                 position_ids=position_ids,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if output_attentions:
@@ -338,9 +372,14 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
 
         loss = None
         if labels is not None:
+            # the LM loss predicts labels[:, 1:] (or the shift_labels given)
+            targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
+            warn_if_no_targets(targets)
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
             if out.aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+                weight = router_loss_weight(targets, kwargs.get("num_items_in_batch"))  # see router_loss_weight
+                config = self.config
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return GPTMoECausalLMOutput(
             loss=loss,
             aux_loss=out.aux_loss,

@@ -38,7 +38,18 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    build_norm,
+    check_ids,
+    check_tokens,
+    layer_outputs,
+    mean_router_losses,
+    router_loss_weight,
+    routing_token_mask,
+    unpack_layer_outputs,
+    warn_if_no_targets,
+)
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
 
 
@@ -80,7 +91,8 @@ class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
 @dataclass
 class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
     """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given), with
-    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks."""
+    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks (the router terms weighted by the batch's share of
+    `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
@@ -220,10 +232,12 @@ class Seq2SeqMoEEncoderLayer(GradientCheckpointingLayer):
     def forward(
         self, hidden_states, attention_mask=None, position_bias=None, token_mask=None, compute_router_losses=True, **kwargs
     ):
-        """hidden_states [B, S, H] -> (hidden_states, Routing | None, self-attention weights | None)."""
+        """hidden_states [B, S, H] -> `layer_outputs` (hidden_states, Routing | None, self-attention weights | None).
+        Tensors that carry gradients (hidden states, position bias) come positionally, as reentrant gradient
+        checkpointing needs (GradientCheckpointingLayer)."""
         hidden_states, weights = self._self_attention(hidden_states, attention_mask, position_bias, **kwargs)
         hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
-        return hidden_states, routing, weights
+        return layer_outputs(hidden_states, routing, weights)
 
 
 class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
@@ -244,8 +258,9 @@ class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
         compute_router_losses=True,
         **kwargs,
     ):
-        """hidden_states [B, L, H], encoder_hidden_states [B, S, H] -> (hidden_states, Routing | None,
-        (self-attention weights, cross-attention weights))."""
+        """hidden_states [B, L, H], encoder_hidden_states [B, S, H] -> `layer_outputs` (hidden_states, Routing | None,
+        (self-attention weights, cross-attention weights)); gradient-carrying tensors positionally, as the encoder
+        layer's."""
         hidden_states, self_weights = self._self_attention(
             hidden_states, attention_mask, position_bias, cache=cache, **kwargs
         )
@@ -258,7 +273,7 @@ class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
         )
         hidden_states = hidden_states + self.dropout(out)
         hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
-        return hidden_states, routing, (self_weights, cross_weights)
+        return layer_outputs(hidden_states, routing, (self_weights, cross_weights))
 
 
 class Seq2SeqMoEStack(nn.Module):
@@ -298,7 +313,13 @@ class Seq2SeqMoEStack(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds (for the decoder: decoder_input_ids or "
                              "decoder_inputs_embeds, or labels).")
-        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        stack = "" if self.bidirectional else "decoder "
+        if inputs_embeds is not None:
+            check_tokens(inputs_embeds.shape, f"{stack}inputs_embeds")
+            return inputs_embeds
+        check_tokens(input_ids.shape, f"{stack}input_ids")
+        check_ids(input_ids, self.config.vocab_size, f"{stack}token ids".capitalize(), "Use the model's tokenizer.")
+        return self.embed_tokens(input_ids)
 
     def _output(self, hidden_states, routings, all_hidden, all_attn, output_router_logits, **fields):
         hidden_states = self.dropout(self.norm(hidden_states))
@@ -363,14 +384,14 @@ class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, weights = layer(
+            hidden_states, routing, weights = unpack_layer_outputs(layer(
                 hidden_states,
-                attention_mask=mask,
-                position_bias=position_bias,
+                mask,
+                position_bias,
                 token_mask=token_mask,
                 compute_router_losses=compute_router_losses,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if all_attn is not None:
@@ -453,17 +474,17 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, (self_weights, cross_weights) = layer(
+            hidden_states, routing, (self_weights, cross_weights) = unpack_layer_outputs(layer(
                 hidden_states,
-                attention_mask=causal_mask,
-                position_bias=position_bias,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=cross_mask,
+                causal_mask,
+                position_bias,
+                encoder_hidden_states,
+                cross_mask,
                 cache=cache,
                 token_mask=token_mask,
                 compute_router_losses=compute_router_losses,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if all_attn is not None:
@@ -497,6 +518,23 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
     config_class = Seq2SeqMoEConfig
     _no_split_modules = ["Seq2SeqMoEEncoderLayer", "Seq2SeqMoEDecoderLayer"]
     _supports_flash_attn = False  # the relative position bias is added to the scores; flash kernels take no bias
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """Transformers marks every tied target (the stacks' `embed_tokens.weight`) as loaded so it is not initialized
+        for nothing. Here the stacks' embeddings ARE the module `shared`, so that mark also lands on `shared.weight`;
+        when the checkpoint lacks it and everything tied to it, it must stay missing: reported, and initialized on the
+        model's device instead of left on the meta device."""
+        tied = self.all_tied_weights_keys
+        lost = {
+            source for source in set(tied.values())
+            if {source, *(t for t, s in tied.items() if s == source)} <= loading_info.missing_keys
+        }
+        super().mark_tied_weights_as_initialized(loading_info)
+        for name in lost:
+            parameter = self.get_parameter(name)
+            if hasattr(parameter, "_is_hf_initialized"):
+                del parameter._is_hf_initialized
+            loading_info.missing_keys.add(name)
 
     def _shift_right(self, labels: torch.LongTensor) -> torch.LongTensor:
         """labels [B, L] -> decoder_input_ids [B, L]: decoder_start_token_id, then the labels shifted right by one,
@@ -685,10 +723,12 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
 
         loss = None
         if labels is not None:
+            warn_if_no_targets(labels)
             loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
             if out.aux_loss is not None:
                 config = self.config
-                loss = loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+                weight = router_loss_weight(labels, num_items_in_batch)
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return Seq2SeqMoELMOutput(
             loss=loss,
             logits=logits,

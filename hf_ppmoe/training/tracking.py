@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -42,6 +43,17 @@ class RouterMonitor:
     def reset(self):
         self.tokens, self.dropped, self.calls = {}, {}, {}
 
+    @contextmanager
+    def separately(self):
+        """Statistics gathered (and collected) inside the block are kept apart from those gathered outside it, which
+        go on accumulating afterwards: an evaluation in the middle of a logging interval."""
+        saved = self.tokens, self.dropped, self.calls
+        self.reset()
+        try:
+            yield
+        finally:
+            self.tokens, self.dropped, self.calls = saved
+
     def collect(self, reduce=lambda t: t) -> dict[str, float]:
         """Per layer: coefficient of variation of expert load (0 = perfectly balanced) and dropped-route fraction.
         `reduce` sums a tensor over data-parallel processes (e.g. accelerator.reduce)."""
@@ -62,7 +74,9 @@ class RouterMonitor:
 class JSONLinesTracker(GeneralTracker):
     """An Accelerate tracker writing one JSON object per `log` call to `<logging_dir>/metrics.jsonl`.
 
-    On resume, entries after the resumed step are dropped first, so the file reads as one uninterrupted run."""
+    Nothing is written before `init_trackers` (`store_init_configuration`), called when training starts: a run that
+    fails before it leaves the folder's earlier logs as they were. Then a new run starts an empty file, and a resumed
+    one drops the entries after its step (and a line torn by a kill), so the file reads as one uninterrupted run."""
 
     name = "jsonl"
     requires_logging_directory = True
@@ -71,18 +85,18 @@ class JSONLinesTracker(GeneralTracker):
     def __init__(self, run_name: str, logging_dir: str, resume_step: int | None = None):
         super().__init__()
         self.path = Path(logging_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step is None:
-            self.path.write_text("")
-        elif self.path.exists():
-            kept = [line for line in read_jsonl(self.path) if line.get("step", 0) <= resume_step]
-            self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
+        self.resume_step = resume_step
 
     @property
     def tracker(self):
         return self.path
 
     def store_init_configuration(self, values: dict):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if self.resume_step is not None and self.path.exists():
+            kept = [line for line in read_jsonl(self.path) if line.get("step", 0) <= self.resume_step]
+        self.path.write_text("".join(json.dumps(line) + "\n" for line in kept))
         (self.path.parent / "run_config.json").write_text(json.dumps(values, indent=2, default=str))
 
     def log(self, values: dict, step: int | None = None, **kwargs):
@@ -92,7 +106,21 @@ class JSONLinesTracker(GeneralTracker):
 
 
 def read_jsonl(path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics file. A last line without its newline that is not JSON was torn by a kill mid-write
+    and is left out; any other line that is not JSON raises ValueError naming it."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except ValueError as error:
+            if number == len(lines) and not text.endswith("\n"):
+                break
+            raise ValueError(f"{path}:{number} is not a JSON line ({error}).") from error
+    return records
 
 
 def curve(records: list[dict], key: str) -> tuple[list, list] | None:

@@ -37,6 +37,7 @@ DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
 MODELS = {
     **{f"gpt_moe-llama-{g}": lambda g=g: GPTMoEForCausalLM(tiny_gpt_config(vocab_size=VOCAB, **GATES[g])) for g in GATES},
     "gpt_moe-gpt2-topk": lambda: GPTMoEForCausalLM(tiny_gpt_config(vocab_size=VOCAB, **GPT2_STYLE)),
+    "gpt_moe-qwen3-topk": lambda: GPTMoEForCausalLM(tiny_gpt_config(vocab_size=VOCAB, qk_norm=True)),  # q/k norms
     "gpt_moe-gpt2-gshard-eager": lambda: GPTMoEForCausalLM._from_config(
         tiny_gpt_config(vocab_size=VOCAB, **GPT2_STYLE, **GATES["gshard"]), attn_implementation="eager"
     ),
@@ -294,7 +295,7 @@ print("OK")
 
 
 def test_checkpoint_carries_flat_beam_search_for_trust_remote_code(tmp_path):
-    model = MODELS["gpt_moe-llama-topk"]().eval()
+    model = MODELS["gpt_moe-qwen3-topk"]().eval()  # the flattened modeling code with qk_norm, without hf_ppmoe
     model.save_pretrained(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "custom_generate" / "generate.py").is_file()
     ids, mask = padded_batch()
@@ -303,6 +304,7 @@ def test_checkpoint_carries_flat_beam_search_for_trust_remote_code(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", CHECKPOINT_USER, str(tmp_path / "ckpt"), str(tmp_path / "inputs.pt")],
         capture_output=True, text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home")},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
+             "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

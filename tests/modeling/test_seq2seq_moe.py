@@ -279,7 +279,8 @@ def test_save_load_round_trip_in_a_fresh_process_without_hf_ppmoe(tmp_path):
         [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")],
         capture_output=True,
         text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home")},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
+             "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK" in result.stdout
