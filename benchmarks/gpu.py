@@ -90,7 +90,11 @@ def layer_section(args, device, dtype, timer):
                 qcfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=f, num_experts=E, num_experts_per_tok=k,
                                       norm_topk_prob=True)
                 qcfg._experts_implementation = impl
-                variants[f"qwen3-{impl}"] = Qwen3MoeSparseMoeBlock(qcfg).to(device, dtype)
+                block = Qwen3MoeSparseMoeBlock(qcfg).to(device, dtype)
+                with torch.no_grad():  # a bare block is not initialised (zeros: every token would pick the same experts)
+                    for p in block.parameters():
+                        p.normal_(0.0, 0.02)
+                variants[f"qwen3-{impl}"] = block
             modules = [m for m in (ours, dense, *[v for v in variants.values() if isinstance(v, torch.nn.Module)])]
 
             def train_step(fn, x=x):

@@ -1,28 +1,25 @@
 """`hf-ppmoe` command line: `hf-ppmoe demo [...]`, `hf-ppmoe train [...]` (= `python -m hf_ppmoe.training`),
-`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`."""
+`hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe export SRC OUT --to NAME`,
+`hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`; `hf-ppmoe COMMAND --help` for each.
+
+Exit codes: 0 done; 2 bad flags or a refusal (one `hf-ppmoe COMMAND: error: ...` line, nothing written); 1 a
+failure while running (a full disk, a diverged training run)."""
 
 from __future__ import annotations
 
 import sys
 
-from transformers import HfArgumentParser
+from .utils.arguments import parse_arguments
 
 COMMANDS = {
     "demo": "Built-in corpus: dense GPT-2 -> upcycled GPT-MoE -> fine-tuned vs dense -> flat beam search -> merged back.",
     "train": "Train or fine-tune a causal LM (data / tensor / expert / pipeline parallel): hf-ppmoe train --help.",
-    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
+    "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
-    "import": "Import an MoE checkpoint (Mixtral; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "import": "Import an MoE checkpoint (Mixtral, Qwen3-MoE; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
 }
-
-
-def _positional(rest: list[str], names: tuple[str, ...]) -> list[str]:
-    """`SRC OUT --opt ...` -> `--source SRC --output OUT --opt ...` (HfArgumentParser has no positional arguments)."""
-    leading = []
-    while rest and len(leading) < len(names) and not rest[0].startswith("-"):
-        leading.append(rest.pop(0))
-    return [arg for name, value in zip(names, leading) for arg in (f"--{name}", value)] + rest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,21 +45,22 @@ def main(argv: list[str] | None = None) -> int:
     if command == "demo":
         from .training.demo import DemoArguments, run_demo
 
-        (args,) = HfArgumentParser(DemoArguments, prog="hf-ppmoe demo").parse_args_into_dataclasses(rest)
-        run_demo(args)
+        run_demo(parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=COMMANDS["demo"]))
         return 0
 
     from .conversion.commands import COMMANDS as CONVERSIONS
     from .conversion.mapping import ConversionError
+    from .utils.atomic import OutOfSpaceError
 
     arguments, run, description = CONVERSIONS[command]
-    parser = HfArgumentParser(
-        arguments, prog=f"hf-ppmoe {command}", usage=f"hf-ppmoe {command} SRC OUT [options]", description=description
-    )
-    (args,) = parser.parse_args_into_dataclasses(_positional(rest, ("source", "output")))
+    args = parse_arguments(arguments, rest, prog=f"hf-ppmoe {command}", description=description,
+                           positionals={"source": "SRC", "output": "OUT"})
     try:
         out = run(args)
-    except (ConversionError, FileExistsError) as err:
+    except (ConversionError, FileExistsError) as err:  # refused: nothing was written
+        print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
+        return 2
+    except OutOfSpaceError as err:  # failed while writing; the previous output (if any) is untouched
         print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
         return 1
     print(f"wrote {out}")

@@ -13,7 +13,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 python3 -m pip wheel -q --no-deps -w "$out" .
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${platforms[@]}" -d "$out" \
-    transformers==5.23.0 accelerate==1.15.0 safetensors==0.8.0 huggingface_hub==2.4.0 hf-xet==1.8.0 \
+    transformers==5.24.0 accelerate==1.15.0 safetensors==0.8.0 huggingface_hub==2.4.0 hf-xet==1.8.0 \
     tokenizers==0.23.3 regex==2026.11.15 httpx2==2.16.2 httpcore2==2.16.2 click==8.5.1 typer==0.29.2 \
     pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 tqdm==4.70.1
 du -ch "$out"/*.whl | tail -1

@@ -35,7 +35,7 @@ def tokenizer():
 
 def dense_config(arch: str):
     """A tiny config per source architecture; each variant exercises the features that architecture has."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     vocab = len(tokenizer())
     tokens = dict(bos_token_id=1, eos_token_id=1, pad_token_id=0)
@@ -49,13 +49,22 @@ def dense_config(arch: str):
         return MistralConfig(**rotary, sliding_window=4)
     if arch == "qwen2":  # q/k/v biases, no o bias
         return Qwen2Config(**rotary)
+    # Qwen3: per-head q/k RMSNorm, biases on q/k/v/o, head_dim != H / heads (its default, 128, is not used), a window
+    # on every layer shorter than the test sequences
+    qwen3 = dict(rotary, head_dim=16, attention_bias=True, use_sliding_window=True, sliding_window=4)
+    if arch == "qwen3":
+        return Qwen3Config(**qwen3, max_window_layers=0)
     if arch == "mixtral":
         return MixtralConfig(**rotary, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "qwen3_moe":  # layer 0 dense (mlp_only_layers), layers 1-2 MoE with smaller experts, weights not renormalised
+        return Qwen3MoeConfig(**(qwen3 | dict(num_hidden_layers=3)), num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=24, mlp_only_layers=[0], norm_topk_prob=False)
     raise ValueError(arch)
 
 
-def build_dense(arch: str, seed: int = 0):
-    """A tiny random model of `arch`: a name of `dense_config`, "t5-v1.0", "t5-v1.1" or "switch"."""
+def build_dense(arch: str, seed: int = 0, **overrides):
+    """A tiny random model of `arch`: a name of `dense_config` (with `overrides` of its config fields), "t5-v1.0",
+    "t5-v1.1" or "switch"."""
     from transformers import AutoModelForCausalLM
 
     if arch.startswith("t5-"):
@@ -63,7 +72,10 @@ def build_dense(arch: str, seed: int = 0):
     if arch == "switch":
         return tiny_switch(seed=seed)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(dense_config(arch)).eval()
+    config = dense_config(arch)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    model = AutoModelForCausalLM.from_config(config).eval()
     # Transformers initialises norms to ones and biases to zeros; random values make the maps' mistakes visible
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -113,10 +113,12 @@ def _gpt2_rules(c, _names=frozenset()) -> list[Rule]:
     return rules
 
 
-# ------------------------------------------------------------------------------- Llama / Mistral / Qwen2 / Mixtral
+# ----------------------------------------------------------------- Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE
 
 
-def _rotary_fields(c, *, attention_bias: bool, attention_output_bias: bool, mlp_bias: bool, sliding_window) -> dict:
+def _rotary_fields(
+    c, *, attention_bias: bool, attention_output_bias: bool, mlp_bias: bool, sliding_window, qk_norm: bool = False
+) -> dict:
     return dict(
         _common_fields(c),
         hidden_size=c.hidden_size,
@@ -133,17 +135,21 @@ def _rotary_fields(c, *, attention_bias: bool, attention_output_bias: bool, mlp_
         hidden_act=c.hidden_act,
         attention_bias=attention_bias,
         attention_output_bias=attention_output_bias,
+        qk_norm=qk_norm,
         mlp_bias=mlp_bias,
         attention_dropout=c.attention_dropout,
         sliding_window=sliding_window,
     )
 
 
-def _llama_names(c, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, dense_mlp: bool = True) -> list[str]:
+def _llama_names(
+    c, *, qkv_bias: bool, o_bias: bool, mlp_bias: bool, dense_mlp: bool = True, qk_norm: bool = False
+) -> list[str]:
     """Llama-family checkpoints already use GPT-MoE's names: the table is the list of names to expect."""
     m = "model.layers.{i}."
     names = ["model.embed_tokens.weight", "model.norm.weight", m + "input_layernorm.weight", m + "post_attention_layernorm.weight"]
     names += [f"{m}self_attn.{p}_proj.weight" for p in "qkvo"]
+    names += [f"{m}self_attn.{p}_norm.weight" for p in "qk" if qk_norm]
     names += [f"{m}self_attn.{p}_proj.bias" for p in "qkv" if qkv_bias] + [m + "self_attn.o_proj.bias"] * o_bias
     if dense_mlp:
         names += [f"{m}mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -171,19 +177,47 @@ def _mistral_rules(c, _names=frozenset()):
     return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False)]
 
 
-def _qwen2_fields(c, _names=frozenset()):
+def _uniform_window(c, label: str):
+    """The sliding window of a config with per-layer `layer_types` (Qwen2, Qwen3): one for every layer, or None."""
     kinds = set(c.layer_types)
     if len(kinds) > 1:
         raise ConversionError(
-            f"Qwen2 with sliding-window attention on some layers only (layer_types={c.layer_types}) is not supported: "
+            f"{label} with sliding-window attention on some layers only (layer_types={c.layer_types}) is not supported: "
             "GPT-MoE applies one sliding_window to every layer."
         )
-    window = c.sliding_window if kinds == {"sliding_attention"} else None
+    return c.sliding_window if kinds == {"sliding_attention"} else None
+
+
+def _qwen2_fields(c, _names=frozenset()):
+    window = _uniform_window(c, "Qwen2")
     return _rotary_fields(c, attention_bias=True, attention_output_bias=False, mlp_bias=False, sliding_window=window)
 
 
 def _qwen2_rules(c, _names=frozenset()):
     return [rename(n, n) for n in _llama_names(c, qkv_bias=True, o_bias=False, mlp_bias=False)]
+
+
+def _qwen3_fields(c, _names=frozenset()):
+    # Qwen3 = Qwen2's layout with biases on all of q, k, v, o (or none) and a per-head q/k RMSNorm
+    window = _uniform_window(c, "Qwen3")
+    return _rotary_fields(c, attention_bias=c.attention_bias, attention_output_bias=c.attention_bias, mlp_bias=False,
+                          sliding_window=window, qk_norm=True)
+
+
+def _qwen3_rules(c, _names=frozenset()):
+    bias = c.attention_bias
+    return [rename(n, n) for n in _llama_names(c, qkv_bias=bias, o_bias=bias, mlp_bias=False, qk_norm=True)]
+
+
+def expert_rules(source: str, target: str, gate: str, up: str, down: str) -> list[Rule]:
+    """Per-expert nn.Linear `{source}experts.{e}.{gate|up|down}.weight` (gate, up [I, H]; down [H, I]), as Mixtral and
+    the Qwen MoE checkpoints store them -> our stacked `{target}experts.gate_up_proj` [E, 2I, H] ([gate; up]) and
+    `{target}experts.down_proj` [E, H, I]."""
+    s = f"{source}experts.{{e}}."
+    return [
+        Rule((f"{s}{gate}.weight", f"{s}{up}.weight"), (f"{target}experts.gate_up_proj",), Chain(Stack(2), Concat(1, 2))),
+        Rule((f"{s}{down}.weight",), (f"{target}experts.down_proj",), Stack(1)),
+    ]
 
 
 def _mixtral_fields(c, _names=frozenset()):
@@ -205,15 +239,10 @@ def _mixtral_fields(c, _names=frozenset()):
 
 def _mixtral_rules(c, _names=frozenset()):
     s, m = "model.layers.{i}.block_sparse_moe.", "model.layers.{i}.mlp."
-    return [rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False, dense_mlp=False)] + [
+    return [
+        *[rename(n, n) for n in _llama_names(c, qkv_bias=False, o_bias=False, mlp_bias=False, dense_mlp=False)],
         rename(s + "gate.weight", m + "gate.weight"),
-        # per-expert nn.Linear w1 (gate), w3 (up) [I, H] -> gate_up_proj [E, 2I, H]; w2 (down) [H, I] -> down_proj [E, H, I]
-        Rule(
-            (s + "experts.{e}.w1.weight", s + "experts.{e}.w3.weight"),
-            (m + "experts.gate_up_proj",),
-            Chain(Stack(2), Concat(1, 2)),
-        ),
-        Rule((s + "experts.{e}.w2.weight",), (m + "experts.down_proj",), Stack(1)),
+        *expert_rules(s, m, "w1", "w3", "w2"),
     ]
 
 
@@ -230,6 +259,75 @@ def _mixtral_dense_twin(c):
     return twin
 
 
+def qwen_moe_layers(c) -> list[bool]:
+    """Which layers of a Qwen2-MoE / Qwen3-MoE config are MoE layers (the others a dense MLP of intermediate_size)."""
+    return [
+        c.num_experts > 0 and i not in c.mlp_only_layers and (i + 1) % c.decoder_sparse_step == 0
+        for i in range(c.num_hidden_layers)
+    ]
+
+
+def _qwen3_moe_fields(c, _names=frozenset()):
+    layers = qwen_moe_layers(c)
+    placement = dict(moe_layer_frequency=c.decoder_sparse_step)
+    if c.mlp_only_layers:
+        placement = dict(moe_layers=[i for i, moe in enumerate(layers) if moe])
+    return dict(
+        # Qwen3-MoE applies its one sliding_window (use_sliding_window) to every layer
+        _rotary_fields(c, attention_bias=c.attention_bias, attention_output_bias=c.attention_bias, mlp_bias=False,
+                       sliding_window=c.sliding_window, qk_norm=True),
+        moe_intermediate_size=c.moe_intermediate_size,
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        router_type="topk",  # softmax over all experts, top-k, renormalised iff norm_topk_prob
+        norm_topk_prob=c.norm_topk_prob,
+        capacity_factor=None,
+        eval_capacity_factor=None,
+        **placement,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        router_z_loss_coef=0.0,
+        output_router_logits=c.output_router_logits,
+    )
+
+
+def _qwen3_moe_rules(c, _names=frozenset()):
+    bias = c.attention_bias
+    rules = [rename(n, n) for n in _llama_names(c, qkv_bias=bias, o_bias=bias, mlp_bias=False, dense_mlp=False, qk_norm=True)]
+    for i, moe in enumerate(qwen_moe_layers(c)):
+        m = f"model.layers.{i}.mlp."
+        if moe:
+            rules += [rename(m + "gate.weight", m + "gate.weight"), *expert_rules(m, m, "gate_proj", "up_proj", "down_proj")]
+        else:
+            rules += [rename(f"{m}{p}_proj.weight", f"{m}{p}_proj.weight") for p in ("gate", "up", "down")]
+    return rules
+
+
+def _qwen3_moe_dense_twin(c):
+    """The dense Qwen3 whose every FFN is one expert, or None when the dense layers (intermediate_size) and the
+    experts (moe_intermediate_size) differ in size: no Qwen3 holds both."""
+    from transformers import Qwen3Config
+
+    if not all(qwen_moe_layers(c)) and c.intermediate_size != c.moe_intermediate_size:
+        return None
+    shared = (
+        "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads hidden_act "
+        "max_position_embeddings initializer_range rms_norm_eps use_cache pad_token_id bos_token_id eos_token_id "
+        "tie_word_embeddings rope_parameters attention_bias attention_dropout dtype"
+    ).split()
+    window = c.sliding_window is not None
+    twin = Qwen3Config(
+        **{name: getattr(c, name) for name in shared},
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,  # Qwen3's default is 128
+        intermediate_size=c.moe_intermediate_size,
+        use_sliding_window=window,
+        sliding_window=c.sliding_window,
+        layer_types=["sliding_attention" if window else "full_attention"] * c.num_hidden_layers,
+    )
+    twin.architectures = ["Qwen3ForCausalLM"]
+    return twin
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in [
@@ -239,11 +337,15 @@ ARCHITECTURES: dict[str, Architecture] = {
                      ignore=(r"rotary_emb\.inv_freq$",)),
         Architecture("mistral", "MistralForCausalLM", _mistral_fields, _mistral_rules, _every_layer("model.layers.{i}.mlp")),
         Architecture("qwen2", "Qwen2ForCausalLM", _qwen2_fields, _qwen2_rules, _every_layer("model.layers.{i}.mlp")),
+        Architecture("qwen3", "Qwen3ForCausalLM", _qwen3_fields, _qwen3_rules, _every_layer("model.layers.{i}.mlp")),
         Architecture("t5", "T5ForConditionalGeneration", t5_fields, t5_rules, t5_ffn_modules, "seq2seq_moe",
                      base_prefix="", ignore=T5_IGNORED),
         Architecture("mixtral", "MistralForCausalLM", _mixtral_fields, _mixtral_rules,
                      _every_layer("model.layers.{i}.block_sparse_moe"), moe_class="MixtralForCausalLM",
                      dense_twin=_mixtral_dense_twin),
+        Architecture("qwen3_moe", "Qwen3ForCausalLM", _qwen3_moe_fields, _qwen3_moe_rules,
+                     _every_layer("model.layers.{i}.mlp"), moe_class="Qwen3MoeForCausalLM",
+                     dense_twin=_qwen3_moe_dense_twin),
         Architecture("switch_transformers", "T5ForConditionalGeneration", switch_fields, switch_rules, t5_ffn_modules,
                      "seq2seq_moe", base_prefix="", ignore=T5_IGNORED,
                      moe_class="SwitchTransformersForConditionalGeneration", dense_twin=switch_dense_twin),

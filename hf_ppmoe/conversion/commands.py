@@ -1,10 +1,12 @@
-"""`hf-ppmoe upcycle SRC OUT`, `hf-ppmoe merge SRC OUT`, `hf-ppmoe import SRC OUT`: arguments and runners."""
+"""`hf-ppmoe upcycle SRC OUT`, `hf-ppmoe merge SRC OUT`, `hf-ppmoe import SRC OUT`, `hf-ppmoe export SRC OUT --to NAME`:
+arguments and runners."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .export import TARGETS, export_moe
 from .merge import MERGE_METHODS, merge_experts
 from .upcycle import ROUTER_INITS, import_moe, upcycle
 
@@ -15,8 +17,8 @@ def _help(text: str) -> dict:
 
 @dataclass
 class _Paths:
-    source: str = field(metadata=_help("SRC: model folder (or Hub id) to convert."))
-    output: str = field(metadata=_help("OUT: output folder; must not exist yet unless --overwrite."))
+    source: str = field(metadata=_help("Model folder (or Hub id) to convert."))
+    output: str = field(metadata=_help("Output folder; must not exist yet unless --overwrite."))
 
 
 @dataclass
@@ -57,6 +59,17 @@ class MergeArguments(_Output, _Paths):
 
 @dataclass
 class ImportArguments(_Output, _Paths):
+    pass
+
+
+@dataclass
+class _Target:
+    to: str = field(metadata={"help": "Transformers class to export to, by model_type: " + ", ".join(
+        f"{t.name} ({t.class_name})" for t in TARGETS.values()), "choices": list(TARGETS)})
+
+
+@dataclass
+class ExportArguments(_Output, _Target, _Paths):
     pass
 
 
@@ -117,8 +130,16 @@ def run_import(args: ImportArguments) -> Path:
     )
 
 
+def run_export(args: ExportArguments) -> Path:
+    return export_moe(
+        args.source, args.output, to=args.to, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
+    )
+
+
 COMMANDS = {
-    "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, T5) into an MoE model."),
+    "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, T5) into an MoE model."),
     "merge": (MergeArguments, run_merge, "Merge an MoE model's experts back into its dense architecture."),
-    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Switch Transformers) into our classes."),
+    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Qwen3-MoE, Switch Transformers) into our classes."),
+    "export": (ExportArguments, run_export, "Export a GPT-MoE / Seq2Seq-MoE to Transformers' own MoE class where it "
+               "fits exactly (else the list of reasons)."),
 }

@@ -5,8 +5,10 @@
 - `write_safetensors` writes sharded safetensors one tensor at a time: shard sizes and file headers are planned from
   shapes alone (a meta pass), then each tensor is computed, written and freed, so a conversion holds about one
   tensor of the output in memory, never a whole copy.
-- `atomic_folder` builds the output in a temporary folder beside the target and renames it into place at the end; a
-  conversion that fails half-way leaves no output folder.
+- Outputs are written with `hf_ppmoe.utils.atomic.atomic_folder` (a conversion that fails or is killed half-way
+  leaves no output folder, or the previous one with `overwrite`) and record their weights' SHA-256.
+- What is read is checked (`hf_ppmoe.utils.integrity`): weight files and carried side files must lie inside the
+  source folder, and weight files must match the source's `checksums.sha256` when it has one.
 """
 
 from __future__ import annotations
@@ -16,34 +18,25 @@ import math
 import os
 import shutil
 import struct
-import tempfile
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from ..utils.integrity import (
+    CHECKSUMS_FILE,
+    SAFETENSORS_DTYPES,
+    TORCH_DTYPES,
+    CheckpointError,
+    check_inside,
+    verify_checksums,
+)
 from .mapping import ConversionError, DictSource, TensorSource, shape_str
 
-SAFETENSORS_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-# files of a source folder that are not carried into the output: weights, the config (rewritten), code
-_NOT_CARRIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".py", ".index.json")
+# files of a source folder that are not carried into the output: weights, the config (rewritten), code, checksums
+_NOT_CARRIED = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".py", ".index.json", CHECKSUMS_FILE)
 
 
 class SafetensorsSource(TensorSource):
@@ -63,6 +56,11 @@ class SafetensorsSource(TensorSource):
                 "checkpoints are read; re-save the model with Transformers' save_pretrained to get one."
             )
         files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
+        try:
+            check_inside(folder, files, "weight file")
+            verify_checksums(folder, files)
+        except CheckpointError as err:
+            raise ConversionError(str(err)) from err
         self._handles, self._file_of, self._meta = {}, {}, {}
         for name in files:
             path = folder / name
@@ -179,10 +177,10 @@ def write_safetensors(
     get: Callable[[str], torch.Tensor],
     max_shard_size: int | str = "5GB",
     progress: bool = False,
-) -> None:
+) -> list[str]:
     """Write `plan` (name, shape, dtype) as sharded safetensors in `folder`, computing each tensor with `get` just
     before its bytes are written. Shards are cut by size as Transformers does (`model-00001-of-0000N.safetensors` and
-    an index; a single `model.safetensors` when everything fits)."""
+    an index; a single `model.safetensors` when everything fits). Returns the names of the files written."""
     limit = parse_size(max_shard_size)
     shards: list[list[tuple[str, torch.Size, torch.dtype]]] = [[]]
     size = 0
@@ -228,45 +226,21 @@ def write_safetensors(
     if n > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-@contextmanager
-def atomic_folder(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary folder beside `target`; on success it becomes `target`, on any failure it is deleted."""
-    target = Path(target)
-    if target.exists() and not (target.is_dir() and not any(target.iterdir())):
-        if not overwrite:
-            raise FileExistsError(f"{target} already exists; choose a new output folder or pass overwrite=True.")
-        if not target.is_dir():
-            raise FileExistsError(f"{target} is a file; the output must be a folder.")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.converting-", dir=target.parent))
-    try:
-        yield staging
-        os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's folder is private (0700); the output gets normal permissions
-        if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / "old")
-            os.replace(staging, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+        names.append("model.safetensors.index.json")
+    return names
 
 
 def carry_side_files(checkpoint: Checkpoint, folder: Path, tokenizer=None) -> None:
-    """Copy what makes the output folder complete: tokenizer files, generation config, license, model card."""
+    """Copy what makes the output folder complete: tokenizer files, generation config, license, model card. A file
+    that is a symlink out of the source folder is refused (a crafted folder could otherwise copy any file the user
+    can read into an output that gets shared)."""
     if checkpoint.folder is not None:
-        for item in checkpoint.folder.iterdir():
+        for item in sorted(checkpoint.folder.iterdir()):
             if item.is_file() and not item.name.startswith(".") and item.name != "config.json" and not item.name.endswith(_NOT_CARRIED):
+                try:
+                    check_inside(checkpoint.folder, [item.name], "file")
+                except CheckpointError as err:
+                    raise ConversionError(f"{err} Or delete the link; it is not needed for the conversion.") from err
                 shutil.copy2(item, folder / item.name)
     elif getattr(checkpoint.model, "generation_config", None) is not None:
         checkpoint.model.generation_config.save_pretrained(folder)

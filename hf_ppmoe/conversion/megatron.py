@@ -7,6 +7,7 @@ Both directions are `mapping.py` tables and ops, so the round trip is bit-exact:
 - `rules(config, Vp)`: our weight names <-> megatron-core names of the whole, unsharded model, each with an exact op:
       model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
           InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
+      model.layers.{i}.self_attn.{q,k}_norm.weight -> decoder.layers.{i}.self_attention.{q,k}_layernorm.weight
       model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  Concat: [gate; up]
       model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H] ([gate; up])
           -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   Unstack
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from .io import atomic_folder
+from ..utils.atomic import atomic_folder
 from .mapping import (
     Concat,
     ConversionError,
@@ -88,6 +89,8 @@ def rules(config, padded_vocab: int) -> list[Rule]:
             table.append(Rule(names, (f"{mc}self_attention.linear_qkv.{p}",), qkv))
         for p in ("weight", "bias") if config.attention_output_bias else ("weight",):
             table.append(rename(f"{hf}self_attn.o_proj.{p}", f"{mc}self_attention.linear_proj.{p}"))
+        if config.qk_norm:  # [head_dim], replicated over tensor-parallel ranks
+            table += [rename(f"{hf}self_attn.{x}_norm.weight", f"{mc}self_attention.{x}_layernorm.weight") for x in "qk"]
         if not config.is_moe_layer(i):
             table += _mlp_rules(f"{hf}mlp.", f"{mc}mlp.", config)
             continue
@@ -377,6 +380,11 @@ def _load(path: Path, weights_only: bool) -> dict:
                 f"{path} holds Python objects beyond tensors (Megatron-LM's saved args). If you trust the file, load "
                 f"it with weights_only=False (--trust-checkpoint). Details: {str(error).splitlines()[0]}"
             ) from error
+        if isinstance(error, (RuntimeError, EOFError, OSError, pickle.UnpicklingError)):  # torch.load on a damaged file
+            raise ConversionError(
+                f"{path} cannot be read, the file is truncated or damaged ({str(error).splitlines()[0]}); copy it "
+                "again from where the checkpoint was saved."
+            ) from error
         raise
 
 
@@ -385,7 +393,12 @@ def load_megatron_checkpoint(directory, *, weights_only: bool = True) -> tuple[d
     root = Path(directory)
     if not (root / TRACKER).is_file():
         raise ConversionError(f"{root} is not a Megatron-LM checkpoint folder: no {TRACKER}")
-    step = (root / TRACKER).read_text().strip()
+    step = (root / TRACKER).read_text(errors="replace").strip()
+    if step != "release" and not step.isdigit():
+        raise ConversionError(
+            f"{root / TRACKER} holds {step[:40]!r}; Megatron-LM writes 'release' or the iteration number there. Write "
+            "the iteration of the checkpoint to convert (its iter_NNNNNNN folder) into it."
+        )
     folder = root / ("release" if step == "release" else f"iter_{int(step):07d}")
     found = sorted(p.name for p in folder.glob("mp_rank_*")) if folder.is_dir() else []
     if not found:

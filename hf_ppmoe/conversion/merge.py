@@ -1,5 +1,5 @@
 """MoE -> dense: merge each MoE layer's experts back into one FFN and write the original dense architecture (a
-GPT-MoE into GPT-2 / Llama / Mistral / Qwen2, a Seq2Seq-MoE into T5).
+GPT-MoE into GPT-2 / Llama / Mistral / Qwen2 / Qwen3, a Seq2Seq-MoE into T5).
 
 The merge is the inverse of upcycling, table for table: `experts_mapping(...).inverse()` merges the experts (a
 weighted mean in float64; E identical float32 copies give back the same bits) and drops the router, then the source
@@ -11,15 +11,16 @@ renormalisation and gshard; E for switch with E a power of two), to one float ro
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
 
 from .architectures import get_architecture
-from .io import open_checkpoint, read_config_dict
+from .io import open_checkpoint
 from .mapping import ConversionError
 from .pipeline import deliver
-from .upcycle import MODEL_CLASSES, experts_mapping, moe_ffns, run_on_text, sample_ids
+from .upcycle import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
 
 MERGE_METHODS = ("mean", "usage", "expert")
 
@@ -79,7 +80,8 @@ def merge_experts(
     progress: bool = False,
 ):
     """Merge an MoE model made by `upcycle` or `import_moe` (a model object or a folder) back into its dense
-    architecture (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, T5ForConditionalGeneration),
+    architecture (GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM,
+    T5ForConditionalGeneration),
     loadable by plain Transformers.
 
     method: "mean" (mean of the experts), "usage" (mean weighted by how often the router picks each expert on
@@ -88,24 +90,32 @@ def merge_experts(
     """
     if method not in MERGE_METHODS:
         raise ValueError(f"method={method!r}; use one of {', '.join(MERGE_METHODS)}.")
+    if method == "usage" and not sample_texts:  # before anything is loaded
+        raise ConversionError(
+            "method='usage' needs sample_texts to measure how often the router picks each expert (on the command "
+            "line: --sample_texts TEXT ... or --sample_file FILE)"
+        )
 
-    def load_config(folder: Path):
-        model_type = read_config_dict(folder).get("model_type")
-        if model_type not in MODEL_CLASSES:
-            raise ConversionError(
-                f"{folder} holds a {model_type!r} model; merge_experts reads GPT-MoE and Seq2Seq-MoE checkpoints "
-                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}) made by upcycle or import_moe. Import an MoE "
-                "checkpoint with import_moe first."
-            )
-        return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
-
-    checkpoint = open_checkpoint(moe, load_config)
+    checkpoint = open_checkpoint(moe, moe_config_loader("merge_experts"))
     config = checkpoint.config
     record = getattr(config, "conversion", None)
     if not isinstance(record, dict) or "dense_config" not in record:
         raise ConversionError(
             f"this {type(config).__name__} has no record of a dense architecture (config.conversion, written by upcycle "
             "and import_moe), so there is no original class to merge back into."
+        )
+    if record["dense_config"] is None:
+        imported = (record.get("imported_from") or {}).get("model_type", "MoE")
+        raise ConversionError(
+            f"this model was imported from a {imported} checkpoint that has no dense twin: its dense layers "
+            f"(intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
+            f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size."
+        )
+    scale = record.get("expert_output_scale")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ConversionError(
+            f"config.conversion.expert_output_scale={scale!r}: it must be a positive finite number (upcycle records the "
+            "factor it scaled the experts by; merging divides by it). The config was edited or damaged."
         )
     if config.shared_expert_intermediate_size:
         raise ConversionError("merging a model with a shared expert is not supported: the dense FFN has no place for it")
@@ -132,7 +142,7 @@ def merge_experts(
         del model
 
     weights = _merge_weights(method, config, ffns, expert, usage)
-    experts = experts_mapping(config, scale=record["expert_output_scale"], merge_weights=weights).inverse()
+    experts = experts_mapping(config, scale=scale, merge_weights=weights).inverse()
     dense_names = experts.apply(checkpoint.tensors)
     import transformers
 

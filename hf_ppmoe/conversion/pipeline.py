@@ -8,23 +8,23 @@ from pathlib import Path
 
 import torch
 
-from .io import Checkpoint, atomic_folder, carry_side_files, write_safetensors
+from ..utils.atomic import atomic_folder
+from ..utils.integrity import write_checksums
+from .io import Checkpoint, carry_side_files, model_tensors, write_safetensors
 from .mapping import ConversionError, MappedSource, TensorSource, shape_str
 
 
 def expected_tensors(model_class, config) -> tuple[dict[str, torch.Size], set[str]]:
-    """Names and shapes of every tensor of `model_class(config)`, and the names a checkpoint must hold: tied copies
-    are optional (saved once, like save_pretrained does; a stored copy that differs unties it when loading, which is
-    how a T5 checkpoint says that its head is untied)."""
+    """Names and shapes of every tensor of `model_class(config)`, and the names a checkpoint must hold: those
+    `save_pretrained` writes (Transformers' load-time renamings undone, e.g. Mixtral's fused experts back to one
+    tensor per expert). Tied copies are optional (saved once; a stored copy that differs unties it when loading,
+    which is how a T5 checkpoint says that its head is untied)."""
     with torch.device("meta"):
         model = model_class(config)
-    seen, shapes, required = set(), {}, set()
-    for name, tensor in model.state_dict(keep_vars=True).items():
-        shapes[name] = tensor.shape
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            required.add(name)
-    return shapes, required
+    stored = model_tensors(model)
+    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
+    shapes.update({name: stored.get(name).shape for name in stored.keys()})
+    return shapes, set(stored.keys())
 
 
 def plan_tensors(tensors: TensorSource, expected: tuple[dict, set[str]]) -> list[tuple[str, torch.Size, torch.dtype]]:
@@ -74,13 +74,15 @@ def deliver(
 
 
 def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer) -> Path:
-    from ..modeling.common import MoEPreTrainedModel, add_remote_code
+    from ..modeling.common import MoEPreTrainedModel, add_remote_code, write_custom_generate
 
     config.architectures = [model_class.__name__]
     with atomic_folder(target, overwrite=overwrite) as folder:
         carry_side_files(checkpoint, folder, tokenizer)
-        write_safetensors(folder, plan, tensors.get, max_shard_size, progress)
-        if issubclass(model_class, MoEPreTrainedModel):
+        weight_files = write_safetensors(folder, plan, tensors.get, max_shard_size, progress)
+        write_checksums(folder, weight_files)
+        if issubclass(model_class, MoEPreTrainedModel):  # what our save_pretrained adds
             add_remote_code(folder, model_class, config)
+            write_custom_generate(folder)
         config.save_pretrained(folder)
     return target

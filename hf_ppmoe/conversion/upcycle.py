@@ -1,4 +1,4 @@
-"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Switch Transformers) into our classes.
+"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Qwen3-MoE, Switch Transformers) into our classes.
 
 Legend: E experts, K routes per token, H hidden, I FFN inner size.
 
@@ -35,6 +35,22 @@ ROUTER_INITS = ("zeros", "random", "hidden")
 
 # the model class of each target family, by its config's model_type
 MODEL_CLASSES = {GPTMoEConfig.model_type: GPTMoEForCausalLM, Seq2SeqMoEConfig.model_type: Seq2SeqMoEForConditionalGeneration}
+
+
+def moe_config_loader(reader: str):
+    """folder -> its GPT-MoE / Seq2Seq-MoE config, for the functions that read our checkpoints (`reader` names the
+    function in the error a folder of another model gets)."""
+
+    def load(folder: Path):
+        model_type = read_config_dict(folder).get("model_type")
+        if model_type not in MODEL_CLASSES:
+            raise ConversionError(
+                f"{folder} holds a {model_type!r} model; {reader} reads GPT-MoE and Seq2Seq-MoE checkpoints "
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). Import an MoE checkpoint with import_moe first."
+            )
+        return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
+
+    return load
 
 
 def moe_ffns(config) -> dict[int, str]:
@@ -283,7 +299,7 @@ def upcycle(
     **config_overrides,
 ) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
     """Turn a dense model (a model object or a folder / Hub id of safetensors) into an MoE model whose chosen FFNs are
-    MoE layers of `num_experts` copies of the dense FFN: a causal LM (GPT-2, Llama, Mistral, Qwen2) into a GPT-MoE,
+    MoE layers of `num_experts` copies of the dense FFN: a causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3) into a GPT-MoE,
     a T5 (v1.0 or v1.1) into a Seq2Seq-MoE.
 
     num_experts_per_tok: routes per token (default 1 for router_type="switch", else 2).
@@ -358,14 +374,16 @@ def import_moe(
     **config_overrides,
 ) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
     """Import an MoE checkpoint (a model object or a folder / Hub id) into our classes: same weights, same routing,
-    equal logits. Mixtral becomes a GPT-MoE with a "topk" gate, Switch Transformers a Seq2Seq-MoE with a "switch" gate
-    (dropless; see `t5.switch_fields` for its expert_capacity). `merge_experts` turns the result into the dense twin
-    (MistralForCausalLM, T5ForConditionalGeneration). Returns the model, or writes it to `save_directory` and returns
-    the path (as `upcycle`)."""
+    equal logits. Mixtral and Qwen3-MoE become a GPT-MoE with a "topk" gate (Qwen3-MoE with qk_norm, its dense layers
+    and expert size), Switch Transformers a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its
+    expert_capacity). `merge_experts` turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM,
+    T5ForConditionalGeneration; none for a Qwen3-MoE whose dense layers and experts differ in size). Returns the model,
+    or writes it to `save_directory` and returns the path (as `upcycle`)."""
     checkpoint, arch, names = _dense_checkpoint(moe, moe=True)
     config = _moe_config(arch, arch.fields(checkpoint.config, names), config_overrides)
+    twin = arch.dense_twin(checkpoint.config)
     config.conversion = {
-        "dense_config": arch.dense_twin(checkpoint.config).to_dict(),
+        "dense_config": twin.to_dict() if twin is not None else None,
         "expert_output_scale": 1.0,
         "imported_from": checkpoint.config.to_dict(),
     }
@@ -388,6 +406,7 @@ __all__ = [
     "gate_renormalizes",
     "hidden_router_rows",
     "import_moe",
+    "moe_config_loader",
     "moe_ffns",
     "run_on_text",
     "sample_ids",

@@ -90,10 +90,18 @@ def _t5_bias(attention, relative_position: torch.Tensor) -> torch.Tensor:
     return attention.relative_attention_bias(buckets).movedim(-1, -3)
 
 
+def _learned_positions(config) -> int | None:
+    """How many positions a model with a learned (absolute) position table has; None for relative or rotary ones,
+    which have no hard end."""
+    if getattr(config, "position_embedding_type", None) in ("learned", "absolute") or config.model_type == "gpt2":
+        return getattr(config, "max_position_embeddings", None)
+    return None
+
+
 class _FlatModel:
     """Runs the model on the flat layout: a prefill of the B prompts, then K new tokens per row and step."""
 
-    MODEL_INPUTS = {"attention_mask", "position_ids", "past_key_values", "use_cache", "logits_to_keep",
+    MODEL_INPUTS = {"attention_mask", "position_ids", "cache", "use_cache", "logits_to_keep",
                     "encoder_outputs", "output_router_logits", "return_dict"}
 
     def __init__(self, model, input_ids, K, max_length, model_kwargs):
@@ -101,6 +109,8 @@ class _FlatModel:
         self.enc_dec = bool(model.config.is_encoder_decoder)
         BK, P = input_ids.shape
         self.B, self.P = BK // K, P
+        if P == 0:
+            _fail("needs a prompt of at least one token per row (for a decoder-only model, e.g. its BOS token).")
         params = inspect.signature(model.forward).parameters
         if model_kwargs.get("inputs_embeds") is not None:
             _fail("inputs_embeds is not supported; pass input_ids.")
@@ -115,7 +125,7 @@ class _FlatModel:
         if tensors:
             _fail(f"does not know how to lay out the model inputs {tensors} over the flat buffer.")
 
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get("cache")
         self_cache = cache.self_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         if not isinstance(self_cache, DynamicCache) or cache.get_seq_length() != 0:
             _fail("needs an empty DynamicCache (the default); a static or pre-filled cache has the wrong layout.")
@@ -159,9 +169,14 @@ class _FlatModel:
             self.logits_to_keep = "logits_to_keep" in params
         # in-hypothesis position of every buffer slot (for the relative position bias correction)
         self.slot_pos = self.prompt_pos.clone()
+        limit = _learned_positions(model.config)
+        highest = int(self.prompt_pos[:, -1].max()) + max_length - P  # of the last token of the longest hypothesis
+        if limit is not None and highest >= limit:
+            _fail(f"the hypotheses would reach position {highest}, but the model's learned positions end at "
+                  f"max_position_embeddings={limit}: lower max_new_tokens (or max_length), or shorten the prompt.")
 
     def _call(self, ids, **kwargs):
-        kwargs.update(past_key_values=self.cache, use_cache=True, return_dict=True, **self.extra)
+        kwargs.update(cache=self.cache, use_cache=True, return_dict=True, **self.extra)
         if self.enc_dec:
             return self.model(decoder_input_ids=ids, encoder_outputs=self.encoder_outputs,
                               attention_mask=self.encoder_mask, **kwargs)
@@ -297,7 +312,7 @@ def flat_beam_search(model, input_ids, logits_processor, stopping_criteria, gene
         scores=tuple(all_scores) if keep_scores else None,
         logits=tuple(all_logits) if keep_logits else None,
         beam_indices=beam_indices,
-        past_key_values=flat.cache,
+        cache=flat.cache,
     )
 
 

@@ -8,16 +8,20 @@ model needs (`hf_ppmoe/moe/layer.py` -> `moe_layer.py`, imports rewritten to `fr
 `auto_map` that points at them. The same code runs again from such a flattened folder, where names are already flat.
 It also writes `custom_generate/generate.py` (flat beam search), which Transformers picks up with
 `trust_remote_code=True`.
+
+Saving and loading are guarded (hf_ppmoe/utils): `save_pretrained` replaces its folder in one step and records the
+weights' SHA-256; loading refuses weight files outside the folder, checks those checksums, integer or boolean tensors
+where the model has floating-point ones, and NaN or infinity.
 """
 
 from __future__ import annotations
 
+import contextvars
 import importlib.util
 import os
 import re
-import shutil
 import sys
-import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +33,16 @@ from ..generation.flat_beam_search import generate as flat_beam_generate
 from ..moe.experts import Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
+from ..utils.atomic import atomic_folder
+from ..utils.integrity import (
+    WEIGHT_FILE,
+    check_finite,
+    check_inside,
+    check_stored_dtypes,
+    stored_dtypes,
+    verify_checksums,
+    write_checksums,
+)
 
 
 class RMSNorm(nn.Module):
@@ -67,6 +81,57 @@ def routing_token_mask(attention_mask: torch.Tensor | None, compute_router_losse
     return attention_mask
 
 
+def check_tokens(shape: torch.Size, name: str) -> None:
+    """A batch of B >= 1 sequences of L >= 1 tokens (checked from the shape: no device work)."""
+    if len(shape) < 2 or shape[0] == 0 or shape[1] == 0:
+        raise ValueError(
+            f"{name} has shape {tuple(shape)}: the model takes a batch [batch, sequence length] with at least one "
+            "sequence of at least one token."
+        )
+
+
+def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
+    """Raise ValueError if an id lies outside [0, limit). Checked on CPU in eager mode only, where it is two
+    comparisons: on an accelerator, or under torch.compile, reading the answer would make the host wait for the
+    device (or break the graph) on every step, so there the embedding's own device-side index check stops a bad id."""
+    if ids.device.type != "cpu" or torch.compiler.is_compiling() or ids.numel() == 0:
+        return
+    low, high = ids.aminmax()  # one pass (~10 us per decoding step on CPU)
+    if low.item() < 0 or high.item() >= limit:
+        where = tuple(((ids < 0) | (ids >= limit)).nonzero()[0].tolist())
+        raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
+
+
+def warn_if_no_targets(targets: torch.Tensor) -> None:
+    """The LM loss averages over the target tokens (labels other than -100); with none it is NaN. A warning, not an
+    error (a batch of padding can occur in a loop). An empty target shape is seen everywhere; labels that are all
+    -100 are looked for on CPU in eager mode only (elsewhere the host would wait for the device)."""
+    if targets.numel() and (targets.device.type != "cpu" or torch.compiler.is_compiling() or bool((targets != -100).any())):
+        return
+    warnings.warn(
+        "No label in this batch is a target (every label is -100, or each sequence has a single token, which a causal "
+        "LM cannot predict from earlier ones): the LM loss has nothing to average and is NaN.",
+        stacklevel=3,
+    )
+
+
+def layer_outputs(hidden_states: torch.Tensor, routing, attn_weights) -> tuple:
+    """A layer's outputs with its router losses as top-level tensors. Reentrant gradient checkpointing
+    (`use_reentrant=True`, what PEFT's k-bit preparation asks for) runs the layer without autograd and gives gradients
+    only to the tensors the layer returns directly: losses left inside the Routing would lose theirs.
+    `unpack_layer_outputs` puts them back."""
+    aux, z = (routing.aux_loss, routing.z_loss) if routing is not None else (None, None)
+    return hidden_states, aux, z, routing, attn_weights
+
+
+def unpack_layer_outputs(outputs: tuple) -> tuple:
+    """(hidden_states, Routing | None, attention weights) from `layer_outputs`."""
+    hidden_states, aux, z, routing, attn_weights = outputs
+    if routing is not None:
+        routing = routing._replace(aux_loss=aux, z_loss=z)
+    return hidden_states, routing, attn_weights
+
+
 def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Aux and z losses averaged over the MoE layers (so the coefficients do not depend on depth)."""
     if not routings or routings[0].aux_loss is None:  # none, or computed without losses (inference)
@@ -76,8 +141,24 @@ def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | No
     return aux, z
 
 
+def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor | float:
+    """The weight of one forward's router losses in its `loss`: 1, or its share of the label tokens (`targets`, -100
+    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step.
+
+    Transformers' Trainer passes `num_items_in_batch` (all micro-batches of gradient accumulation, and all data-parallel
+    replicas unless `average_tokens_across_devices=False`), adds up the micro-batches' losses without dividing by the
+    accumulation steps, and multiplies each by the replica count, which the replicas' gradient averaging undoes. A
+    router loss added in full would so count once per micro-batch and replica; weighted by the token share, one step's
+    router losses add up to their token-weighted mean over micro-batches and replicas: the plain mean our own training
+    loop takes when every micro-batch holds as many label tokens, whatever the accumulation and replica counts."""
+    if num_items_in_batch is None:
+        return 1.0
+    return (targets != -100).sum() / num_items_in_batch
+
+
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)
-_WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+# from_pretrained(..., verify_checksums=False) reaches _load_pretrained_model through this
+_VERIFY_CHECKSUMS = contextvars.ContextVar("verify_checksums", default=True)
 
 
 def _flat_name(module_name: str) -> str:
@@ -136,7 +217,7 @@ class MoEPreTrainedModel(PreTrainedModel):
 
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["cache"]
     _supports_flash_attn = True
     _supports_sdpa = True
     _supports_flex_attn = True
@@ -169,9 +250,11 @@ class MoEPreTrainedModel(PreTrainedModel):
             init.normal_(module.weight, mean=0.0, std=std)
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        """Transformers' `save_pretrained`, written into a temporary folder first and moved into place only once
-        complete (a failed save leaves the target untouched), plus the code for `trust_remote_code=True`. In a
-        multi-process run only rank 0 writes; the other ranks take part in gathering split weights."""
+        """Transformers' `save_pretrained` into a temporary folder that then replaces `save_directory` in one step
+        (hf_ppmoe.utils.atomic: a failed or killed save leaves the previous folder as it was; files of the folder
+        that this save does not write, e.g. a tokenizer, are kept, earlier weight files are not), plus the code for
+        `trust_remote_code=True` and the weights' SHA-256 in `checksums.sha256`. In a multi-process run only rank 0
+        writes; the other ranks take part in gathering split weights."""
         if not self.should_save_on_this_rank(is_main_process):
             return super().save_pretrained(save_directory, *args, is_main_process=False, **kwargs)
         target = Path(save_directory)
@@ -179,22 +262,42 @@ class MoEPreTrainedModel(PreTrainedModel):
             raise ValueError(f"save_pretrained needs a directory, but {target} is a file.")
         if kwargs.get("push_to_hub") and not kwargs.get("repo_id"):
             kwargs["repo_id"] = target.name
-        target.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.saving-", dir=target.parent))
-        try:
+        with atomic_folder(target, overwrite=True, keep=lambda entry: not WEIGHT_FILE.match(entry.name)) as staging:
             add_remote_code(staging, type(self), self.config)
             write_custom_generate(staging)
             result = super().save_pretrained(staging, *args, **kwargs)
-            target.mkdir(exist_ok=True)
-            new_files = {p.name for p in staging.iterdir()}
-            for stale in target.iterdir():  # weights of an earlier save that this one does not overwrite
-                if stale.is_file() and _WEIGHT_FILE.match(stale.name) and stale.name not in new_files:
-                    stale.unlink()
-            for item in staging.iterdir():
-                destination = target / item.name
-                if destination.is_dir():
-                    shutil.rmtree(destination)
-                os.replace(item, destination)
+            write_checksums(staging, [p.name for p in staging.iterdir() if WEIGHT_FILE.match(p.name)])
+        return result
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, verify_checksums: bool = True, **kwargs):
+        """Transformers' `from_pretrained`, with the checks of `_load_pretrained_model`. `verify_checksums=False`
+        skips comparing the weight files with `checksums.sha256` (which reads every byte once more)."""
+        token = _VERIFY_CHECKSUMS.set(verify_checksums)
+        try:
+            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            _VERIFY_CHECKSUMS.reset(token)
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        """Transformers' loading, guarded: every weight file must lie inside a local checkpoint's folder (no `../`,
+        absolute names or symlinks out of it in the shard index), match `checksums.sha256` when the folder has one,
+        and hold no integer tensor where the model has a floating-point one; the loaded weights must be finite."""
+        files, stored = [Path(f) for f in checkpoint_files or [] if f is not None], {}
+        if files:
+            source = load_config.pretrained_model_name_or_path
+            subfolder = (load_config.download_kwargs or {}).get("subfolder") or ""
+            local = source is not None and os.path.isdir(source)
+            # a Hub repository's file names were checked by huggingface_hub; its files live in one snapshot folder
+            folder = Path(source, subfolder) if local else files[0].parent
+            names = [os.path.relpath(f, folder) for f in files]
+            if local:
+                check_inside(folder, names, "weight file")
+            if _VERIFY_CHECKSUMS.get():
+                verify_checksums(folder, names)
+            stored = stored_dtypes(f for f in files if f.suffix == ".safetensors")
+            check_stored_dtypes(stored, model.state_dict(keep_vars=True))
+        result = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
+        check_finite((stored[name][0], name, t) for name, t in model.state_dict().items() if name in stored)
         return result

@@ -1,8 +1,8 @@
 """GPT-MoE configuration: a decoder-only transformer whose every `moe_layer_frequency`-th FFN is an MoE layer.
 
 The dense part can hold GPT-2 (learned positions, LayerNorm, plain GELU MLP, biases, tied embeddings) and
-Llama / Mistral / Qwen2 (rotary positions, RMSNorm, gated SiLU MLP, GQA, untied embeddings, q/k/v-only biases,
-sliding window) exactly.
+Llama / Mistral / Qwen2 / Qwen3 (rotary positions, RMSNorm, gated SiLU MLP, GQA, untied embeddings, q/k/v-only
+biases, sliding window, Qwen3's per-head q/k RMSNorm) exactly.
 """
 
 from __future__ import annotations
@@ -20,12 +20,15 @@ class GPTMoEConfig(MoEConfig):
         norm_type: "rmsnorm" or "layernorm"; `layer_norm_eps` its epsilon.
         gated_mlp: SwiGLU-style gate/up/down MLP (Llama) instead of up/down (GPT-2).
         attention_output_bias: bias on the output projection (defaults to attention_bias; Qwen2 has q/k/v bias only).
+        qk_norm: Qwen3's per-head query/key norm: every query and key head is RMS-normalised over head_dim (weights
+            `self_attn.q_norm` / `self_attn.k_norm` [head_dim], eps `layer_norm_eps`, statistics in float32) after
+            the q/k projections and before the rotary embedding. Default False (Llama, GPT-2, Qwen2).
         hidden_dropout: dropout on the embeddings and on each residual branch (GPT-2's embd/resid pdrop).
         MoE fields: see `MoEConfig`.
     """
 
     model_type = "gpt_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     default_theta = 10000.0
     # Transformers' parallel plans (keys relative to GPTMoEModel; styles "ppmoe_*" come from hf_ppmoe.parallel)
     base_model_tp_plan = {
@@ -33,6 +36,9 @@ class GPTMoEConfig(MoEConfig):
         "layers.*.self_attn.k_proj": "colwise",
         "layers.*.self_attn.v_proj": "colwise",
         "layers.*.self_attn.o_proj": "rowwise",
+        # per-head q/k norms see only this rank's heads: replicated weights whose gradients are summed over the group
+        "layers.*.self_attn.q_norm": "replicated_grad_sum",
+        "layers.*.self_attn.k_norm": "replicated_grad_sum",
         "layers.*.self_attn": "replicated_input",
         **{f"layers.*.{key}": style for key, style in MOE_TP_PLAN.items()},
     }
@@ -53,6 +59,7 @@ class GPTMoEConfig(MoEConfig):
     gated_mlp: bool = True
     attention_bias: bool = False
     attention_output_bias: bool | None = None
+    qk_norm: bool = False
     mlp_bias: bool = False
     attention_dropout: float = 0.0
     hidden_dropout: float = 0.0

@@ -46,7 +46,7 @@ class Seq2SeqMoEConfig(MoEConfig):
     """
 
     model_type = "seq2seq_moe"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache"]
     # Transformers' parallel plans (keys relative to Seq2SeqMoEModel; styles "ppmoe_*", "replicated_input" and
     # "head_sharded_bias" come from hf_ppmoe.parallel)
     base_model_tp_plan = {
@@ -94,6 +94,8 @@ class Seq2SeqMoEConfig(MoEConfig):
             self.num_decoder_layers = self.num_hidden_layers
         super().__post_init__(**kwargs)
         self.validate()
+        if self.head_dim is None:  # stated, as Transformers' code (caches, attention helpers) reads it from configs
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
     def is_encoder_moe_layer(self, layer_idx: int) -> bool:
         return self.is_moe_layer(layer_idx, self.encoder_moe_layers, self.encoder_moe_layer_frequency)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
@@ -24,7 +25,19 @@ from transformers.integrations.sdpa_attention import repeat_kv
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    RMSNorm,
+    build_norm,
+    check_ids,
+    check_tokens,
+    layer_outputs,
+    mean_router_losses,
+    router_loss_weight,
+    routing_token_mask,
+    unpack_layer_outputs,
+    warn_if_no_targets,
+)
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -40,7 +53,8 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given)."""
+    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given; the
+    router terms weighted by the batch's share of `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
@@ -109,17 +123,24 @@ class GPTMoEAttention(nn.Module):
         self.k_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(H, config.num_key_value_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(config.num_attention_heads * self.head_dim, H, bias=config.attention_output_bias)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # Qwen3: RMSNorm over each query / key head, before the rotary embedding
+            self.q_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
 
-    def forward(self, hidden_states, position_embeddings, attention_mask, past_key_values=None, **kwargs):
+    def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
         input_shape = hidden_states.shape[:-1]
         shape = (*input_shape, -1, self.head_dim)
-        q = self.q_proj(hidden_states).view(shape).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+        q = self.q_proj(hidden_states).view(shape)
+        k = self.k_proj(hidden_states).view(shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
-        if past_key_values is not None:
-            k, v = past_key_values.update(k, v, self.layer_idx)
+        if cache is not None:
+            k, v = cache.update(k, v, self.layer_idx)
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -152,7 +173,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
         hidden_states,
         attention_mask=None,
         position_embeddings=None,
-        past_key_values=None,
+        cache=None,
         token_mask=None,
         compute_router_losses=True,
         **kwargs,
@@ -161,7 +182,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states),
             position_embeddings=position_embeddings,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         hidden_states = hidden_states + self.dropout(attn_out)
@@ -171,7 +192,7 @@ class GPTMoEDecoderLayer(GradientCheckpointingLayer):
             h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
         else:
             h = self.mlp(h)
-        return hidden_states + self.dropout(h), routing, attn_weights
+        return layer_outputs(hidden_states + self.dropout(h), routing, attn_weights)
 
 
 class GPTMoEPreTrainedModel(MoEPreTrainedModel):
@@ -196,13 +217,14 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
@@ -224,17 +246,30 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             compute_router_losses = torch.is_grad_enabled() or output_router_logits
 
         if inputs_embeds is None:
+            check_tokens(input_ids.shape, "input_ids")
+            check_ids(input_ids, config.vocab_size, "Token ids", "Use the model's tokenizer (or resize the embeddings).")
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)
+        else:
+            check_tokens(inputs_embeds.shape, "inputs_embeds")
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
         seq_len = inputs_embeds.shape[1]
+        learned = config.position_embedding_type == "learned"
+        too_long = f"Learned positions end at max_position_embeddings={config.max_position_embeddings}: shorten the input (and max_new_tokens)."
+        # positions and masks are sized by the cache of the first layer this model runs: under Transformers' pipeline
+        # parallelism the layers a stage does not hold are stand-ins that keep no cache
+        cache_layer = next((layer.self_attn.layer_idx for layer in self.layers if hasattr(layer, "self_attn")), 0)
         if position_ids is None:
-            past_seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            past_seen = cache.get_seq_length(cache_layer) if cache is not None else 0
+            if learned and isinstance(past_seen, int) and past_seen + seq_len > config.max_position_embeddings:
+                raise ValueError(f"This input reaches position {past_seen + seq_len - 1}. {too_long}")
             position_ids = torch.arange(past_seen, past_seen + seq_len, device=inputs_embeds.device).unsqueeze(0)
+        elif learned:
+            check_ids(position_ids, config.max_position_embeddings, "Position ids", too_long)
 
         hidden_states = inputs_embeds
         position_embeddings = None
-        if config.position_embedding_type == "learned":
+        if learned:
             hidden_states = hidden_states + self.embed_positions(position_ids)
         else:
             position_embeddings = self.rotary_emb(hidden_states, position_ids)
@@ -245,8 +280,9 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             config=config,
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
-            past_key_values=past_key_values,
+            cache=cache,
             position_ids=position_ids,
+            layer_idx=cache_layer,
         )
         # padding tokens are kept out of routing statistics and router losses (a 4D mask carries no such notion)
         token_mask = routing_token_mask(
@@ -257,16 +293,16 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         for layer in self.layers:
             if output_hidden_states:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, attn_weights = layer(
+            hidden_states, routing, attn_weights = unpack_layer_outputs(layer(
                 hidden_states,
                 attention_mask=causal_mask,
                 position_embeddings=position_embeddings,
-                past_key_values=past_key_values,
+                cache=cache,
                 token_mask=token_mask,
                 compute_router_losses=compute_router_losses,
                 position_ids=position_ids,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if output_attentions:
@@ -278,7 +314,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         aux_loss, z_loss = mean_router_losses(routings) if compute_router_losses else (None, None)
         return GPTMoEModelOutput(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            cache=cache if use_cache else None,
             hidden_states=tuple(all_hidden) if output_hidden_states else None,
             attentions=tuple(all_attn) if output_attentions else None,
             router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
@@ -299,13 +335,14 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
     @can_return_tuple
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -320,7 +357,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -335,15 +372,20 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
 
         loss = None
         if labels is not None:
+            # the LM loss predicts labels[:, 1:] (or the shift_labels given)
+            targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
+            warn_if_no_targets(targets)
             loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
             if out.aux_loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * out.aux_loss + self.config.router_z_loss_coef * out.z_loss
+                weight = router_loss_weight(targets, kwargs.get("num_items_in_batch"))  # see router_loss_weight
+                config = self.config
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return GPTMoECausalLMOutput(
             loss=loss,
             aux_loss=out.aux_loss,
             z_loss=out.z_loss,
             logits=logits,
-            past_key_values=out.past_key_values,
+            cache=out.cache,
             hidden_states=out.hidden_states,
             attentions=out.attentions,
             router_logits=out.router_logits,

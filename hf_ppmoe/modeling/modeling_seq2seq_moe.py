@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.utils.deprecation import deprecate_kwarg
 from transformers.utils.generic import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.loss.loss_utils import ForMaskedLMLoss
@@ -37,7 +38,18 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..generation.router_stats import MoEGenerationMixin
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from .common import MoEPreTrainedModel, build_norm, mean_router_losses, routing_token_mask
+from .common import (
+    MoEPreTrainedModel,
+    build_norm,
+    check_ids,
+    check_tokens,
+    layer_outputs,
+    mean_router_losses,
+    router_loss_weight,
+    routing_token_mask,
+    unpack_layer_outputs,
+    warn_if_no_targets,
+)
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
 
 
@@ -79,7 +91,8 @@ class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
 @dataclass
 class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
     """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given), with
-    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks."""
+    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks (the router terms weighted by the batch's share of
+    `num_items_in_batch` where that is passed: `router_loss_weight`)."""
 
     encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
@@ -143,27 +156,27 @@ class Seq2SeqMoEAttention(nn.Module):
     def _project(self, proj: nn.Linear, states: torch.Tensor) -> torch.Tensor:
         return proj(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)  # [B, N, len, D]
 
-    def _key_values(self, hidden_states, key_value_states, past_key_values: EncoderDecoderCache | None):
+    def _key_values(self, hidden_states, key_value_states, cache: EncoderDecoderCache | None):
         if not self.is_cross:
             k, v = self._project(self.k_proj, hidden_states), self._project(self.v_proj, hidden_states)
-            if past_key_values is not None:
-                k, v = past_key_values.self_attention_cache.update(k, v, self.layer_idx)
+            if cache is not None:
+                k, v = cache.self_attention_cache.update(k, v, self.layer_idx)
             return k, v
-        if past_key_values is not None and past_key_values.is_updated.get(self.layer_idx):
-            layer = past_key_values.cross_attention_cache.layers[self.layer_idx]  # the encoder output does not change
+        if cache is not None and cache.is_updated.get(self.layer_idx):
+            layer = cache.cross_attention_cache.layers[self.layer_idx]  # the encoder output does not change
             return layer.keys, layer.values
         k, v = self._project(self.k_proj, key_value_states), self._project(self.v_proj, key_value_states)
-        if past_key_values is not None:
-            k, v = past_key_values.cross_attention_cache.update(k, v, self.layer_idx)
-            past_key_values.is_updated[self.layer_idx] = True
+        if cache is not None:
+            k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+            cache.is_updated[self.layer_idx] = True
         return k, v
 
     def forward(
-        self, hidden_states, attention_mask, position_bias=None, key_value_states=None, past_key_values=None, **kwargs
+        self, hidden_states, attention_mask, position_bias=None, key_value_states=None, cache=None, **kwargs
     ):
         """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
         q = self._project(self.q_proj, hidden_states)
-        k, v = self._key_values(hidden_states, key_value_states, past_key_values)
+        k, v = self._key_values(hidden_states, key_value_states, cache)
         attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
         )
@@ -197,12 +210,12 @@ class Seq2SeqMoEEncoderLayer(GradientCheckpointingLayer):
         self.mlp = MoELayer(config) if is_moe else MLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def _self_attention(self, hidden_states, attention_mask, position_bias, past_key_values=None, **kwargs):
+    def _self_attention(self, hidden_states, attention_mask, position_bias, cache=None, **kwargs):
         out, weights = self.self_attn(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_bias=position_bias,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         return hidden_states + self.dropout(out), weights
@@ -219,10 +232,12 @@ class Seq2SeqMoEEncoderLayer(GradientCheckpointingLayer):
     def forward(
         self, hidden_states, attention_mask=None, position_bias=None, token_mask=None, compute_router_losses=True, **kwargs
     ):
-        """hidden_states [B, S, H] -> (hidden_states, Routing | None, self-attention weights | None)."""
+        """hidden_states [B, S, H] -> `layer_outputs` (hidden_states, Routing | None, self-attention weights | None).
+        Tensors that carry gradients (hidden states, position bias) come positionally, as reentrant gradient
+        checkpointing needs (GradientCheckpointingLayer)."""
         hidden_states, weights = self._self_attention(hidden_states, attention_mask, position_bias, **kwargs)
         hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
-        return hidden_states, routing, weights
+        return layer_outputs(hidden_states, routing, weights)
 
 
 class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
@@ -238,26 +253,27 @@ class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
         position_bias=None,
         encoder_hidden_states=None,
         encoder_attention_mask=None,
-        past_key_values=None,
+        cache=None,
         token_mask=None,
         compute_router_losses=True,
         **kwargs,
     ):
-        """hidden_states [B, L, H], encoder_hidden_states [B, S, H] -> (hidden_states, Routing | None,
-        (self-attention weights, cross-attention weights))."""
+        """hidden_states [B, L, H], encoder_hidden_states [B, S, H] -> `layer_outputs` (hidden_states, Routing | None,
+        (self-attention weights, cross-attention weights)); gradient-carrying tensors positionally, as the encoder
+        layer's."""
         hidden_states, self_weights = self._self_attention(
-            hidden_states, attention_mask, position_bias, past_key_values=past_key_values, **kwargs
+            hidden_states, attention_mask, position_bias, cache=cache, **kwargs
         )
         out, cross_weights = self.cross_attn(
             self.cross_attn_layernorm(hidden_states),
             attention_mask=encoder_attention_mask,
             key_value_states=encoder_hidden_states,
-            past_key_values=past_key_values,
+            cache=cache,
             **kwargs,
         )
         hidden_states = hidden_states + self.dropout(out)
         hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
-        return hidden_states, routing, (self_weights, cross_weights)
+        return layer_outputs(hidden_states, routing, (self_weights, cross_weights))
 
 
 class Seq2SeqMoEStack(nn.Module):
@@ -297,7 +313,13 @@ class Seq2SeqMoEStack(nn.Module):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds (for the decoder: decoder_input_ids or "
                              "decoder_inputs_embeds, or labels).")
-        return self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        stack = "" if self.bidirectional else "decoder "
+        if inputs_embeds is not None:
+            check_tokens(inputs_embeds.shape, f"{stack}inputs_embeds")
+            return inputs_embeds
+        check_tokens(input_ids.shape, f"{stack}input_ids")
+        check_ids(input_ids, self.config.vocab_size, f"{stack}token ids".capitalize(), "Use the model's tokenizer.")
+        return self.embed_tokens(input_ids)
 
     def _output(self, hidden_states, routings, all_hidden, all_attn, output_router_logits, **fields):
         hidden_states = self.dropout(self.norm(hidden_states))
@@ -362,14 +384,14 @@ class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, weights = layer(
+            hidden_states, routing, weights = unpack_layer_outputs(layer(
                 hidden_states,
-                attention_mask=mask,
-                position_bias=position_bias,
+                mask,
+                position_bias,
                 token_mask=token_mask,
                 compute_router_losses=compute_router_losses,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if all_attn is not None:
@@ -386,17 +408,17 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         ]
         super().__init__(config, embed_tokens, layers)
 
-    def _cache(self, past_key_values: Cache | None, use_cache: bool) -> EncoderDecoderCache | None:
-        if past_key_values is None:
+    def _cache(self, cache: Cache | None, use_cache: bool) -> EncoderDecoderCache | None:
+        if cache is None:
             return EncoderDecoderCache(DynamicCache(), DynamicCache()) if use_cache else None
-        if not isinstance(past_key_values, EncoderDecoderCache):
-            past_key_values = EncoderDecoderCache(past_key_values, DynamicCache())
+        if not isinstance(cache, EncoderDecoderCache):
+            cache = EncoderDecoderCache(cache, DynamicCache())
         # `generate` sizes its DynamicCache from config.num_hidden_layers, the encoder's depth (T5 in Transformers
         # fails the same way when num_decoder_layers is larger): give a deeper decoder the layers it needs
-        for cache in (past_key_values.self_attention_cache, past_key_values.cross_attention_cache):
-            if type(cache) is DynamicCache and cache.layer_class_to_replicate is None:
-                cache.layers.extend(DynamicLayer() for _ in range(len(self.layers) - len(cache.layers)))
-        return past_key_values
+        for part in (cache.self_attention_cache, cache.cross_attention_cache):
+            if type(part) is DynamicCache and part.layer_class_to_replicate is None:
+                part.layers.extend(DynamicLayer() for _ in range(len(self.layers) - len(part.layers)))
+        return cache
 
     def forward(
         self,
@@ -405,7 +427,7 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         encoder_hidden_states: torch.Tensor | None = None,
         encoder_attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool | None = None,
         token_mask: torch.Tensor | None = None,
         output_attentions: bool | None = None,
@@ -414,21 +436,21 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         compute_router_losses: bool | None = None,
         **kwargs,
     ) -> Seq2SeqMoEStackOutput:
-        """input_ids [B, L] (the new tokens when past_key_values holds P earlier ones), attention_mask [B, P + L],
+        """input_ids [B, L] (the new tokens when cache holds P earlier ones), attention_mask [B, P + L],
         encoder_hidden_states [B, S, H], encoder_attention_mask [B, S], token_mask [B, L] (False: not routed for
-        losses/statistics) -> last_hidden_state [B, L, H], past_key_values, router outputs."""
+        losses/statistics) -> last_hidden_state [B, L, H], cache, router outputs."""
         output_attentions, output_hidden_states, output_router_logits, compute_router_losses = _flags(
             self.config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses
         )
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
-        past_key_values = self._cache(past_key_values, use_cache)
-        self_cache = past_key_values.self_attention_cache if past_key_values is not None else None
+        cache = self._cache(cache, use_cache)
+        self_cache = cache.self_attention_cache if cache is not None else None
         L = inputs_embeds.shape[1]
         P = self_cache.get_seq_length() if self_cache is not None else 0
 
         causal_mask = create_causal_mask(
-            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, past_key_values=self_cache
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=self_cache
         )
         cross_mask = create_bidirectional_mask(
             config=self.config,
@@ -452,17 +474,17 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         for layer in self.layers:
             if all_hidden is not None:
                 all_hidden.append(hidden_states)
-            hidden_states, routing, (self_weights, cross_weights) = layer(
+            hidden_states, routing, (self_weights, cross_weights) = unpack_layer_outputs(layer(
                 hidden_states,
-                attention_mask=causal_mask,
-                position_bias=position_bias,
-                encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=cross_mask,
-                past_key_values=past_key_values,
+                causal_mask,
+                position_bias,
+                encoder_hidden_states,
+                cross_mask,
+                cache=cache,
                 token_mask=token_mask,
                 compute_router_losses=compute_router_losses,
                 **kwargs,
-            )
+            ))
             if routing is not None:
                 routings.append(routing)
             if all_attn is not None:
@@ -474,7 +496,7 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
             all_hidden,
             all_attn,
             output_router_logits,
-            past_key_values=past_key_values if use_cache else None,
+            cache=cache if use_cache else None,
             cross_attentions=tuple(all_cross) if all_cross is not None else None,
         )
 
@@ -496,6 +518,23 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
     config_class = Seq2SeqMoEConfig
     _no_split_modules = ["Seq2SeqMoEEncoderLayer", "Seq2SeqMoEDecoderLayer"]
     _supports_flash_attn = False  # the relative position bias is added to the scores; flash kernels take no bias
+
+    def mark_tied_weights_as_initialized(self, loading_info):
+        """Transformers marks every tied target (the stacks' `embed_tokens.weight`) as loaded so it is not initialized
+        for nothing. Here the stacks' embeddings ARE the module `shared`, so that mark also lands on `shared.weight`;
+        when the checkpoint lacks it and everything tied to it, it must stay missing: reported, and initialized on the
+        model's device instead of left on the meta device."""
+        tied = self.all_tied_weights_keys
+        lost = {
+            source for source in set(tied.values())
+            if {source, *(t for t, s in tied.items() if s == source)} <= loading_info.missing_keys
+        }
+        super().mark_tied_weights_as_initialized(loading_info)
+        for name in lost:
+            parameter = self.get_parameter(name)
+            if hasattr(parameter, "_is_hf_initialized"):
+                del parameter._is_hf_initialized
+            loading_info.missing_keys.add(name)
 
     def _shift_right(self, labels: torch.LongTensor) -> torch.LongTensor:
         """labels [B, L] -> decoder_input_ids [B, L]: decoder_start_token_id, then the labels shifted right by one,
@@ -538,6 +577,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = new_embeddings
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
     @can_return_tuple
     def forward(
         self,
@@ -546,7 +586,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: Seq2SeqMoEStackOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
@@ -576,7 +616,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
             inputs_embeds=decoder_inputs_embeds,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             token_mask=decoder_token_mask,
             **flags,
@@ -588,7 +628,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         )
         return Seq2SeqMoEModelOutputWithLosses(
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values,
+            cache=decoder_outputs.cache,
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             decoder_router_logits=decoder_outputs.router_logits,
@@ -632,6 +672,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         """Used by DataCollatorForSeq2Seq to build decoder_input_ids."""
         return self._shift_right(labels)
 
+    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
     @can_return_tuple
     def forward(
         self,
@@ -640,7 +681,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         decoder_input_ids: torch.LongTensor | None = None,
         decoder_attention_mask: torch.Tensor | None = None,
         encoder_outputs: Seq2SeqMoEStackOutput | tuple | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
@@ -663,7 +704,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
@@ -682,14 +723,16 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
 
         loss = None
         if labels is not None:
+            warn_if_no_targets(labels)
             loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
             if out.aux_loss is not None:
                 config = self.config
-                loss = loss + config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
+                weight = router_loss_weight(labels, num_items_in_batch)
+                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
         return Seq2SeqMoELMOutput(
             loss=loss,
             logits=logits,
-            past_key_values=out.past_key_values,
+            cache=out.cache,
             decoder_hidden_states=out.decoder_hidden_states,
             decoder_attentions=out.decoder_attentions,
             decoder_router_logits=out.decoder_router_logits,

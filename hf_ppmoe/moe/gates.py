@@ -139,17 +139,19 @@ class Gate(nn.Module):
             expert_ids = expert_ids.masked_fill(~keep, E)
             weights = weights.masked_fill(~keep, 0.0)
 
-        routing = Routing(expert_ids, weights, logits, E, group_size, capacity)
-        if compute_losses:
-            if token_mask is None:
-                token_mask = torch.ones(T, dtype=torch.bool, device=x.device)
-            routing.aux_loss = self.load_balancing_loss(probs, self.assignment(selected), token_mask, group_size)
-            routing.z_loss = self.z_loss(logits, token_mask)
-            with torch.no_grad():
-                routing.tokens_per_expert = _one_hot(expert_ids.flatten(), E + 1, torch.int64).sum(0)[:E]
-                num_chosen = (chosen < E).sum()
-                routing.dropped_fraction = (num_chosen - routing.tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
-        return routing
+        if not compute_losses:
+            return Routing(expert_ids, weights, logits, E, group_size, capacity)
+        if token_mask is None:
+            token_mask = torch.ones(T, dtype=torch.bool, device=x.device)
+        aux_loss = self.load_balancing_loss(probs, self.assignment(selected), token_mask, group_size)
+        z_loss = self.z_loss(logits, token_mask)
+        with torch.no_grad():
+            tokens_per_expert = _one_hot(expert_ids.flatten(), E + 1, torch.int64).sum(0)[:E]
+            num_chosen = (chosen < E).sum()
+            dropped_fraction = (num_chosen - tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
+        return Routing(
+            expert_ids, weights, logits, E, group_size, capacity, aux_loss, z_loss, tokens_per_expert, dropped_fraction
+        )
 
 
 def _one_hot(ids: torch.Tensor, num_classes: int, dtype, value: float = 1.0) -> torch.Tensor:

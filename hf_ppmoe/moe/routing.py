@@ -11,13 +11,17 @@ the sentinel id `num_experts`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass
-class Routing:
+class Routing(NamedTuple):
+    """A gate's result. A `NamedTuple` (immutable: `routing._replace(aux_loss=...)` makes a changed copy) so that
+    engines that walk a module's output find its tensors: DeepSpeed ZeRO-3 gathers the router weight again for the
+    gate's backward through hooks on those tensors and looks inside tuples, lists and dicts only; torch's pytree
+    (FSDP2, torch.compile) takes named tuples as they are."""
+
     expert_ids: torch.Tensor  # [T, K] int64; `num_experts` marks a route that goes nowhere
     weights: torch.Tensor  # [T, K] combine weights; 0 where expert_ids is the sentinel
     router_logits: torch.Tensor  # [T, E] float32, before softmax

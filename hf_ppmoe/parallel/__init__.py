@@ -2,9 +2,11 @@
 imports torch.distributed).
 
     init_distributed()                      join the torchrun / accelerate job, with a timeout
-    make_mesh(pp=2, tp=2)                   (dp, pp, tp) DeviceMesh, every sub-group with a timeout
+    make_mesh(fsdp=2, pp=2, tp=2)           (dp, fsdp, pp, tp) DeviceMesh, every sub-group with a timeout
     parallelize(model, mesh["tp"])          tensor parallelism + PPMoE expert parallelism over a TP group
     Pipeline(model, mesh["pp"], num_microbatches=4, schedule="1f1b", tp=mesh["tp"]).step(ids, labels, mask)
+    fully_shard_model(model, mesh)          FSDP2 over mesh's fsdp ranks (HSDP with dp replicas), after the above
+    parallelize(model, mesh["tp"], ep=expert_mesh(mesh, 4).ep)   experts over 4 ranks (> tp): all-to-all
 
 `hf_ppmoe.parallel.megatron` (imported on its own) is the Megatron-LM backend through Accelerate.
 
@@ -15,24 +17,31 @@ ep_implementation="ppmoe")` (through Transformers' expert-parallel dispatch).
 
 from . import expert_parallel  # registers the "ppmoe" plan styles and expert-parallel implementation
 from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad
+from .data_parallel import clip_grad_norm_, fully_shard_model, state_bytes
 from .expert_parallel import PPMoEExperts
-from .mesh import init_distributed, make_mesh
+from .mesh import ExpertMesh, batch_mesh, expert_mesh, init_distributed, make_mesh
 from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, Seq2SeqMoEStage, split_layers
 from .tensor_parallel import parallelize
 
 __all__ = [
     "SCHEDULES",
     "Collective",
+    "ExpertMesh",
     "GPTMoEStage",
     "PPMoEExperts",
     "Pipeline",
     "Seq2SeqMoEStage",
+    "batch_mesh",
+    "clip_grad_norm_",
     "copy_to",
     "count_collectives",
+    "expert_mesh",
+    "fully_shard_model",
     "init_distributed",
     "make_mesh",
     "parallelize",
     "reduce_from",
     "scale_grad",
     "split_layers",
+    "state_bytes",
 ]

@@ -10,6 +10,9 @@ A replicated activation entering a region where every rank computes only part of
 `reduce_from`. `scale_grad` (identity forward, gradient times a constant backward) lets a replicated value that
 is consumed inside such a region be counted once when its partial gradients are summed.
 
+`sum_grad_over(param, group)` sums a replicated parameter's partial gradient over the group in every backward pass
+(a routers' weight under PPMoE, Qwen3's per-head q/k norms under tensor parallelism).
+
 `count_collectives()` records every collective that runs under it, whichever API issued it (`dist.all_reduce`,
 DTensor's functional collectives, the backward pass), so tests and benchmarks can account for communication.
 """
@@ -78,6 +81,22 @@ def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
     if scale == 1 or not (torch.is_grad_enabled() and x.requires_grad):
         return x
     return _ScaleGrad.apply(x, scale)
+
+
+def sum_grad_over(param: torch.Tensor, group) -> None:
+    """Sum `param`'s gradient over `group` in every backward pass, before it is accumulated into `param.grad` (so
+    gradient accumulation adds summed gradients). Once per parameter object: call it again after loading replaced
+    the parameter."""
+    if getattr(param, "_grad_sum_group", None) is group:
+        return
+
+    def hook(grad):
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(grad, group=group)
+        return grad
+
+    param.register_hook(hook)
+    param._grad_sum_group = group
 
 
 @dataclass(frozen=True)

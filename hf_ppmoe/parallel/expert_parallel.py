@@ -31,7 +31,9 @@ Two plan styles and one `EPImplementation` put this into Transformers' machinery
   random routing must draw the same numbers on replicated activations). A dense FFN gets "replicated_input"
   (tensor_parallel.py): one all-reduce of [T, H] each way, the count PPMoE matches.
 - "ppmoe" in `EPImplementationInterface` (`DistributedConfig(ep_implementation="ppmoe")`): global expert ids to
-  this rank's local ids with the sentinel for the others. The experts' weights are split by "grouped_gemm".
+  this rank's local ids with the sentinel for the others. The experts' weights are split by "grouped_gemm". On a
+  model whose MoE blocks are not ours (Transformers' Qwen3-MoE, Mixtral, ...: no "ppmoe_ffn" around them) the experts
+  sum over the ranks themselves (`PPMoEExperts`), so the result equals one process there too.
 - "ppmoe_experts" does the same from a tensor-parallel plan, so `DistributedConfig(tp_size=N)` alone is PPMoE.
 """
 
@@ -43,34 +45,33 @@ from transformers.distributed.expert_parallel import EPImplementation, EPImpleme
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer
 
-from .comm import copy_to, reduce_from, scale_grad
+from .comm import copy_to, reduce_from, scale_grad, sum_grad_over
 from .tensor_parallel import ReplicatedInputParallel
 
 
 class PPMoEExperts(EPImplementation):
-    """Runs this rank's experts on the routes that reach them; the MoE layer ("ppmoe_ffn") sums over ranks."""
+    """Runs this rank's experts on the routes that reach them. In our MoE layers ("ppmoe_ffn") the layer sums the
+    ranks' outputs and input gradients, once for the router and the experts together. In any other MoE block (e.g.
+    Transformers' own Qwen3-MoE, whose router sits outside the experts) the experts do it themselves: their inputs,
+    the hidden states and the routing weights, sum their gradients over the group and their output is summed, so the
+    router gets whole gradients on every rank (the communication of Transformers' "all_reduce" EP)."""
 
     needs_shared_batch = True
 
     def __init__(self, experts, ep_mesh, tp_mesh):
         super().__init__(experts, ep_mesh, tp_mesh)
         self.first_expert = ep_mesh.get_local_rank() * self.num_local_experts
-        experts._ppmoe_group = ep_mesh.get_group()  # tells the enclosing layer its experts' output is partial
+        self.experts, self.group = experts, ep_mesh.get_group()
+        experts._ppmoe_group = self.group  # tells an enclosing "ppmoe_ffn" layer its experts' output is partial
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         n = self.num_local_experts
         local = top_k_index - self.first_expert
         local = local.masked_fill((local < 0) | (local >= n), n)  # the sentinel: skipped by the experts
-        return self.experts_forward(hidden_states, local, top_k_weights)
-
-
-def _sum_gradient_over(group):
-    def hook(grad):
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return hook
+        if getattr(self.experts, "_ppmoe_layer_combines", False):
+            return self.experts_forward(hidden_states, local, top_k_weights)
+        hidden_states, top_k_weights = copy_to(hidden_states, self.group), copy_to(top_k_weights, self.group)
+        return reduce_from(self.experts_forward(hidden_states, local, top_k_weights), self.group)
 
 
 def share_router_generator(gate, group, device_type: str) -> None:
@@ -98,6 +99,7 @@ class PPMoEFFNParallel(ReplicatedInputParallel):
             return super().install_forward(module, mesh)
         share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
         module.route = _ppmoe_route(module, module.route)
+        module.experts._ppmoe_layer_combines = True  # PPMoEExperts leaves the sums over ranks to `ppmoe_route`
         return module
 
 
@@ -110,17 +112,14 @@ def _ppmoe_route(layer, route):
         group = getattr(layer.experts, "_ppmoe_group", None)
         if group is None:  # whole experts on every rank, or another expert-parallel implementation
             return route(x, token_mask, compute_losses)
-        if getattr(gate.weight, "_ppmoe_grad_group", None) is not group:  # parameters may be replaced by loading
-            gate.weight.register_hook(_sum_gradient_over(group))
-            gate.weight._ppmoe_grad_group = group
+        sum_grad_over(gate.weight, group)  # here, not at install: parameters may be replaced by loading
         out, routing = route(copy_to(x, group), token_mask, compute_losses)
         out = reduce_from(out, group)
         n = dist.get_world_size(group)
-        routing.router_logits = scale_grad(routing.router_logits, 1 / n)
+        scaled = {"router_logits": scale_grad(routing.router_logits, 1 / n)}
         if routing.aux_loss is not None:
-            routing.aux_loss = scale_grad(routing.aux_loss, 1 / n)
-            routing.z_loss = scale_grad(routing.z_loss, 1 / n)
-        return out, routing
+            scaled.update(aux_loss=scale_grad(routing.aux_loss, 1 / n), z_loss=scale_grad(routing.z_loss, 1 / n))
+        return out, routing._replace(**scaled)
 
     return ppmoe_route
 

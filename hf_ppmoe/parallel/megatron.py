@@ -25,6 +25,9 @@ Mapping of our config (exact: logits and gradients match `GPTMoEForCausalLM`, te
     router_z_loss_coef c                -> moe_z_loss_coeff = c / M (mean logsumexp^2 per layer)
     moe_layer_frequency / moe_layers    -> moe_layer_freq as an explicit 0/1 list
     sliding_window w                    -> window_size = (w - 1, 0)
+    qk_norm (Qwen3's per-head q/k RMSNorm) -> qk_layernorm: megatron-core normalises each query and key head over
+        head_dim with the model's normalization (RMSNorm) and eps before the rotary embedding, as ours does; its
+        finalize_model_grads sums those norms' gradients over the TP group (each rank sees its own heads)
 Megatron ties a router bias to add_bias_linear; our routers have none, so the provider removes it.
 
 What Megatron cannot express (`check_megatron_compatible` raises ValueError naming each):
@@ -35,7 +38,8 @@ What Megatron cannot express (`check_megatron_compatible` raises ValueError nami
     - router_num_groups > 1 (our aux loss per group; Megatron's per micro-batch);
     - router_jitter_noise > 0 (Megatron jitters at evaluation too);
     - biases other than none, q/k/v only (Qwen2), or all linear layers (GPT-2); a shared expert with biases;
-    - rope scaling other than the default rotary embedding.
+    - rope scaling other than the default rotary embedding;
+    - qk_norm with norm_type "layernorm" (Megatron's q/k norms take the model's normalization; ours are RMSNorm).
 Also: padding tokens take part in Megatron's routing statistics (ours exclude them), and with pipeline parallelism
 the reported loss omits the router losses (their gradients are still applied; see `GPTMoETrainStep`).
 `seq2seq_moe` is not supported: see `parse_seq2seq_moe_config`.
@@ -124,6 +128,11 @@ def megatron_incompatibilities(config) -> list[str]:
         problems.append(
             f"rope_parameters={config.rope_parameters}: only the default rotary embedding (rope_theta) is mapped."
         )
+    if config.qk_norm and config.norm_type != "rmsnorm":
+        problems.append(
+            f"qk_norm=True with norm_type={config.norm_type!r}: Megatron's q/k norms (qk_layernorm) use the model's "
+            "normalization, a LayerNorm here, and ours are RMSNorm (Qwen3); use norm_type='rmsnorm'."
+        )
     if config.hidden_act not in ACTIVATIONS:
         problems.append(f"hidden_act={config.hidden_act!r}: mapped activations are {', '.join(ACTIVATIONS)}.")
     return problems
@@ -165,6 +174,7 @@ def transformer_config_kwargs(config, *, tp: int = 1, pp: int = 1) -> dict:
         bias_activation_fusion=False,  # Megatron's fused bias-GeLU is the tanh approximation whatever the activation
         add_bias_linear=add_bias_linear,
         add_qkv_bias=add_qkv_bias,
+        qk_layernorm=config.qk_norm,
         hidden_dropout=config.hidden_dropout,
         attention_dropout=config.attention_dropout,
         init_method_std=config.initializer_range,
@@ -217,6 +227,7 @@ def megatron_lm_args(config, *, tp: int = 1, pp: int = 1) -> dict:
         swiglu=config.gated_mlp and config.hidden_act in ("silu", "swish"),
         add_bias_linear=kw["add_bias_linear"],
         add_qkv_bias=kw["add_qkv_bias"],
+        qk_layernorm=kw["qk_layernorm"],
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
         hidden_dropout=kw["hidden_dropout"],
         attention_dropout=kw["attention_dropout"],

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,26 +43,71 @@ def device_type() -> str:
     return torch.accelerator.current_accelerator().type
 
 
-def make_mesh(*, dp: int = 1, pp: int = 1, tp: int = 1, timeout: timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:
-    """A (dp, pp, tp) `DeviceMesh` over all ranks, every sub-group with `timeout`. Consecutive ranks share a tensor-
-    parallel group (keep it inside a node): 4 ranks, pp=2, tp=2 -> tp groups {0,1} {2,3}, pp groups {0,2} {1,3}.
-    `mesh["tp"]` / `mesh["pp"]` / `mesh["dp"]` are the 1-D meshes to hand to `parallelize` / `Pipeline` / your
-    data-parallel gradient reduction.
+def _options(timeout: timedelta):
+    options = dist.ProcessGroupNCCL.Options() if dist.get_backend() == "nccl" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
 
-    Raises ValueError, before any communication, unless dp * pp * tp equals the world size."""
+
+def make_mesh(
+    *, dp: int = 1, fsdp: int = 1, pp: int = 1, tp: int = 1, timeout: timedelta = DEFAULT_TIMEOUT
+) -> DeviceMesh:
+    """A (dp, fsdp, pp, tp) `DeviceMesh` over all ranks, every sub-group with `timeout`. Consecutive ranks share a
+    tensor-parallel group (keep it inside a node): 4 ranks, pp=2, tp=2 -> tp groups {0,1} {2,3}, pp groups {0,2}
+    {1,3}. `mesh["tp"]` / `mesh["pp"]` are the 1-D meshes to hand to `parallelize` / `Pipeline`; `fsdp` ranks shard
+    the parameters, gradients and optimizer state (`fully_shard_model`), `dp` are replicas of those (HSDP when both
+    are > 1, with dp outermost: across nodes). `batch_mesh(mesh)` is the group of ranks that read different batches.
+
+    Raises ValueError, before any communication, unless dp * fsdp * pp * tp equals the world size."""
     if not dist.is_initialized():
         raise RuntimeError("Call hf_ppmoe.parallel.init_distributed() (or dist.init_process_group) first.")
     world = dist.get_world_size()
-    if min(dp, pp, tp) < 1 or dp * pp * tp != world:
+    if min(dp, fsdp, pp, tp) < 1 or dp * fsdp * pp * tp != world:
         raise ValueError(
-            f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp} ranks, but this job has {world} (WORLD_SIZE). Start it "
-            f"with `torchrun --nproc-per-node {dp * pp * tp}`, or choose sizes whose product is {world}."
+            f"dp={dp} x fsdp={fsdp} x pp={pp} x tp={tp} = {dp * fsdp * pp * tp} ranks, but this job has {world} "
+            f"(WORLD_SIZE). Start it with `torchrun --nproc-per-node {dp * fsdp * pp * tp}`, or choose sizes whose "
+            f"product is {world}."
         )
-    options = dist.ProcessGroupNCCL.Options() if dist.get_backend() == "nccl" else dist.ProcessGroupGloo._Options()
-    options._timeout = timeout
+    options = _options(timeout)
+    names = ("dp", "fsdp", "pp", "tp")
     return init_device_mesh(
-        device_type(),
-        (dp, pp, tp),
-        mesh_dim_names=("dp", "pp", "tp"),
-        backend_override={"dp": options, "pp": options, "tp": options},
+        device_type(), (dp, fsdp, pp, tp), mesh_dim_names=names, backend_override=dict.fromkeys(names, options)
     )
+
+
+def batch_mesh(mesh: DeviceMesh, timeout: timedelta = DEFAULT_TIMEOUT) -> DeviceMesh:
+    """The ranks of a `make_mesh` mesh that read different batches (dp x fsdp, one 1-D mesh): average or sum per-
+    replica values over it. Builds a group when both dp and fsdp are > 1: call it on every rank."""
+    dp, fsdp = mesh["dp"], mesh["fsdp"]
+    if dp.size() == 1 or fsdp.size() == 1:
+        return fsdp if dp.size() == 1 else dp
+    return mesh["dp", "fsdp"]._flatten("batch", backend_override=_options(timeout))
+
+
+class ExpertMesh(NamedTuple):
+    """Where experts live under expert parallelism wider than tensor parallelism (`expert_mesh`)."""
+
+    ep: DeviceMesh  # the ranks that split every MoE layer's experts between them (tokens travel by all-to-all)
+    replicas: DeviceMesh  # the ranks holding the same experts, which FSDP shards: (dp, efsdp), or (efsdp,) if dp == 1
+
+
+def expert_mesh(mesh: DeviceMesh, ep: int, timeout: timedelta = DEFAULT_TIMEOUT) -> ExpertMesh:
+    """The experts' view of a `make_mesh` mesh when ep = k x tp exceeds tp: an "ep" group is k tensor-parallel groups
+    of consecutive fsdp ranks (different batches, the same pipeline stage) that together hold every expert once, and
+    the fsdp / k groups of such copies ("efsdp") shard them. 8 ranks, fsdp=4, tp=2, ep=4: ep groups {0,1,2,3}
+    {4,5,6,7}, efsdp groups {0,4} {1,5} ... Both views share the root mesh, so a DTensor on `ep` can be FSDP-sharded
+    on `replicas`.
+
+    Raises ValueError unless tp divides ep and ep / tp divides fsdp."""
+    tp, fsdp = mesh["tp"].size(), mesh["fsdp"].size()
+    if ep % tp or fsdp % (ep // tp):
+        choices = sorted(tp * k for k in range(1, fsdp + 1) if fsdp % k == 0)
+        raise ValueError(
+            f"ep={ep} must be tp={tp} times a divisor of fsdp={fsdp}: an expert-parallel group is made of whole "
+            f"tensor-parallel groups of ranks that shard the same replica. Use ep in {choices}."
+        )
+    k, options = ep // tp, _options(timeout)
+    names = ("efsdp", "ep_fsdp")
+    view = mesh._unflatten("fsdp", (fsdp // k, k), names, backend_override=dict.fromkeys(names, options))
+    ep_mesh = view["ep_fsdp", "tp"]._flatten("ep", backend_override=options)
+    return ExpertMesh(ep_mesh, view["dp", "efsdp"] if mesh["dp"].size() > 1 else view["efsdp"])

@@ -33,14 +33,18 @@ With `tp=...` every stage is also split over its tensor-parallel group (`paralle
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
+from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
+from ..modeling.common import layer_outputs
 from ..moe.layer import MoELayer
 from .tensor_parallel import parallelize
 
@@ -123,6 +127,51 @@ class _NoPositions(nn.Module):
 
     def forward(self, position_ids):
         return 0.0
+
+
+class _LayerOfAnotherStage(nn.Module):
+    """Stands in for a decoder layer that another stage of Transformers' pipeline holds: the hidden states pass
+    through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return layer_outputs(hidden_states, None, None)
+
+
+def fit_transformers_pipeline_stage(model) -> None:
+    """Completes Transformers' own pipeline parallelism (`DistributedConfig(pp_size=N)`) on a GPT-MoE.
+
+    Transformers' `apply_pipeline_parallelism` keeps this rank's slice of `model.model.layers` and puts an identity
+    that returns the hidden states alone in place of the others: its decoder layers return only their hidden states,
+    and each stage sends the last hidden states [B, L, H] to the next, which takes them as `inputs_embeds` (the last
+    stage's logits are broadcast to every rank). Our decoder layers also return their `Routing` and router losses
+    (`layer_outputs`: the model's router losses are computed from them inside the forward), so those identities
+    become `_LayerOfAnotherStage`. A stage after the first receives hidden states that already carry the learned
+    position embeddings and the embedding dropout, and drops its own, as `GPTMoEStage` does. The stages pass
+    activations without gradients, so training through them is refused with a message instead of silently updating
+    the last stage alone."""
+    base = model.model
+    for i, layer in enumerate(base.layers):
+        if isinstance(layer, PipelineIdentityLayer):
+            base.layers[i] = _LayerOfAnotherStage()
+    if not model._pp_stage.pp_is_first_stage:
+        base.dropout = nn.Identity()
+        if model.config.position_embedding_type == "learned":
+            base.embed_positions = _NoPositions()
+
+    pipeline_forward = model.forward  # Transformers' stage forward: receive, run this stage, send
+
+    @functools.wraps(pipeline_forward)
+    def inference_only(*args, **kwargs):
+        if model.training and torch.is_grad_enabled():  # checked on every rank before any stage communicates
+            raise RuntimeError(
+                "Transformers' pipeline parallelism (DistributedConfig(pp_size=...)) runs inference only: its stages "
+                "pass activations without gradients, so the earlier stages would never learn. Call model.eval() or "
+                "use torch.no_grad(); to train with pipeline stages use hf_ppmoe.parallel.Pipeline or "
+                "`python -m hf_ppmoe.training --pp_size N`."
+            )
+        return pipeline_forward(*args, **kwargs)
+
+    model.forward = inference_only
 
 
 class GPTMoEStage(_Stage):

@@ -12,7 +12,10 @@ sub-mesh of a (pp, tp) mesh for TP x PP, a trimmed pipeline stage, or a model yo
     MoE layer           PPMoE: whole experts split over the group, replicated router (expert_parallel.py)
     embeddings / head   vocabulary split (embedding_rowwise / colwise_gather_output)
 
-Norms, routers and learned position embeddings stay whole (replicated) on every rank.
+Norms, routers and learned position embeddings stay whole (replicated) on every rank. Qwen3's per-head q/k norms
+("replicated_grad_sum") sit between the colwise projections and the attention, so they see only this rank's heads:
+their weights are replicated and their gradients, partial on each rank, summed over the group in every backward pass
+(two all-reduces of [head_dim]).
 
 Transformers' colwise rule turns its input into a replicated DTensor itself, so q, k and v (or gate and up) each
 all-reduce their input gradient: three (two) all-reduces of [T, H] in backward where Megatron has one. The
@@ -30,9 +33,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import DistributedConfig, PreTrainedModel
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
+from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
 from ..modeling.common import MoEPreTrainedModel
+from .comm import sum_grad_over
+from .data_parallel import ALL_TO_ALL
 
 
 def _replicated(x, mesh):
@@ -54,6 +60,26 @@ class ReplicatedInputParallel(TensorParallelLayer):
         return args, kwargs
 
 
+class ReplicatedGradSumParallel(TensorParallelLayer):
+    """Plan style "replicated_grad_sum": a replicated module whose parameter gradients are partial on each rank
+    (Qwen3's q_norm / k_norm, which normalise only this rank's heads); they are summed over the group in every
+    backward pass, by a hook on the gradient registered on the first forward after loading. Transformers'
+    "replicated_with_grad_allreduce" all-reduces `param.grad` after accumulation instead, which under gradient
+    accumulation sums the earlier micro-batches' already summed gradients again."""
+
+    def install_forward(self, module, mesh):
+        group = mesh.get_group()
+
+        def hook(module, args):
+            if torch.is_grad_enabled():
+                for p in module.parameters(recurse=False):
+                    if p.requires_grad:
+                        sum_grad_over(p, group)
+
+        module.register_forward_pre_hook(hook)
+        return module
+
+
 class HeadShardedBiasParallel(EmbeddingParallel):
     """Plan style "head_sharded_bias": a relative position bias table [buckets, heads] split on the heads, whose
     lookup stays this rank's heads (split as the attention's colwise q/k/v split them)."""
@@ -67,6 +93,7 @@ class HeadShardedBiasParallel(EmbeddingParallel):
 
 ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
 ALL_PARALLEL_STYLES.register("head_sharded_bias", HeadShardedBiasParallel())
+ALL_PARALLEL_STYLES.register("replicated_grad_sum", ReplicatedGradSumParallel())
 
 
 def _mesh(group_or_mesh, model) -> DeviceMesh:
@@ -78,13 +105,13 @@ def _mesh(group_or_mesh, model) -> DeviceMesh:
     return DeviceMesh.from_group(group_or_mesh, device_type)
 
 
-def _check_split(config, tp_size: int) -> None:
-    """ValueError naming the sizes when experts or attention heads cannot be split evenly over `tp_size` ranks."""
-    if config.num_experts % tp_size:
+def _check_split(config, tp_size: int, ep_size: int) -> None:
+    """ValueError naming the sizes when experts or attention heads cannot be split evenly."""
+    if config.num_experts % ep_size:
+        how = "PPMoE gives every rank" if ep_size == tp_size else "expert parallelism gives every rank"
         raise ValueError(
-            f"num_experts={config.num_experts} cannot be split evenly over a tensor-parallel group of {tp_size} "
-            f"ranks: PPMoE gives every rank num_experts / {tp_size} whole experts. Use a group size that divides "
-            f"{config.num_experts}."
+            f"num_experts={config.num_experts} cannot be split evenly over {ep_size} ranks: {how} "
+            f"num_experts / {ep_size} whole experts. Use a group size that divides {config.num_experts}."
         )
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)
@@ -95,7 +122,7 @@ def _check_split(config, tp_size: int) -> None:
             )
 
 
-def parallelize(model, tp):
+def parallelize(model, tp, ep: DeviceMesh | None = None):
     """Split `model` (a GPT-MoE or Seq2Seq-MoE, built or loaded: any model whose config carries our plans) in place
     over the tensor-parallel group `tp` (a `ProcessGroup` or a 1-D `DeviceMesh`) and return it.
 
@@ -103,16 +130,32 @@ def parallelize(model, tp):
     nothing is broadcast. Parameters that are split become DTensors (`p.full_tensor()` / `p.grad.full_tensor()`
     gather them); the rest stay plain tensors with identical values and gradients on every rank. Gradients equal the
     single-device model's. `save_pretrained` afterwards (on every rank) writes the whole model from rank 0.
+
+    `ep`: experts on more ranks than `tp` (`expert_mesh(mesh, ep_size).ep`, k tensor-parallel groups that read
+    different batches): every MoE layer's experts are split over it and reached through Transformers' all-to-all
+    (data_parallel.py) instead of PPMoE; the rest is split over `tp` as before. Then shard the model with
+    `fully_shard_model(model, mesh, experts)`, which also averages the experts' gradients over the data-parallel
+    ranks. Gather such a model for saving from its state dict (`full_tensor()` of every entry), as hf_ppmoe.training
+    does.
     """
     mesh = _mesh(tp, model)
     size = mesh.size()
-    _check_split(model.config, size)
-    if size == 1:
+    ep_size = size if ep is None or not model.ep_plan else ep.size()  # a pipeline stage may hold no experts
+    _check_split(model.config, size, ep_size)
+    if ep_size == size == 1:
         return model
-    config = DistributedConfig(tp_size=size)
-    tp_plan, _, _ = model._resolve_parallel_plans(config)
+    if ep_size == size:
+        config = DistributedConfig(tp_size=size)
+    else:  # Transformers checks ep against a (fsdp, tp) layout: these k groups are its fsdp ranks
+        config = DistributedConfig(
+            tp_size=size, fsdp_size=ep_size // size, ep_size=ep_size, ep_implementation=ALL_TO_ALL
+        )
+    tp_plan, ep_plan, _ = model._resolve_parallel_plans(config)
     with tied_head_kept(model):
-        apply_tensor_parallelism(model, mesh, tp_plan)
+        if size > 1:
+            apply_tensor_parallelism(model, mesh, tp_plan)
+        if ep_size != size:
+            apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
     model.config.distributed_config, model._device_mesh, model._tp_size = config, mesh, size
     return model
@@ -154,9 +197,23 @@ def _resolve_parallel_plans(self, distributed_config):
 
 
 def _maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-    """Transformers' `maybe_distribute_model`, keeping a tied head tied."""
+    """Transformers' `maybe_distribute_model`, keeping a tied head tied; with `pp_size > 1` the GPT-MoE stage is
+    completed (`fit_transformers_pipeline_stage`) and an encoder-decoder is refused (Transformers' stages cut the
+    `layers` of a decoder-only model)."""
+    pipeline = distributed_config is not None and distributed_config.pp_size > 1
+    if pipeline and model.config.is_encoder_decoder:
+        raise ValueError(
+            f"Transformers' pipeline parallelism (DistributedConfig(pp_size={distributed_config.pp_size})) cuts the "
+            f"decoder layers of a decoder-only model; {type(model).__name__} has an encoder and a decoder stack. Use "
+            "hf_ppmoe.parallel.Pipeline or `python -m hf_ppmoe.training --pp_size N`, which cut both stacks."
+        )
     with tied_head_kept(model):
-        return PreTrainedModel.maybe_distribute_model.__func__(cls, model, distributed_config, mesh_manager)
+        model = PreTrainedModel.maybe_distribute_model.__func__(cls, model, distributed_config, mesh_manager)
+    if pipeline:
+        from .pipeline import fit_transformers_pipeline_stage  # pipeline.py imports this module
+
+        fit_transformers_pipeline_stage(model)
+    return model
 
 
 MoEPreTrainedModel.init_parallel_plans = _init_parallel_plans

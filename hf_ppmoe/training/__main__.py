@@ -2,14 +2,13 @@
 
 import sys
 
-from transformers import HfArgumentParser
-
+from ..utils.arguments import parse_arguments
 from .arguments import TrainArguments
 from .train import main
 
 
 def cli(argv: list[str] | None = None, prog: str = "python -m hf_ppmoe.training") -> int:
-    (args,) = HfArgumentParser(TrainArguments, prog=prog).parse_args_into_dataclasses(argv)
+    args = parse_arguments(TrainArguments, argv, prog=prog)
     try:
         main(args)
     except ValueError as error:  # bad arguments: one clear line, no traceback

@@ -51,7 +51,8 @@ class TrainArguments:
     eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (0: all)."})
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N steps."})
     checkpointing_steps: int = field(default=0, metadata={"help": "Save Accelerate state every N steps (0: never)."})
-    resume: str | None = field(default=None, metadata={"help": "'latest' or a checkpoint folder to continue from."})
+    resume: str | None = field(default=None, metadata={"help": "'latest' (the newest checkpoint of the run that last trained in output_dir) or a checkpoint folder to continue from."})
+    allow_resume_changes: list[str] | None = field(default=None, metadata={"help": "Resume although these settings differ from the checkpoint's (names as the refusal lists them, e.g. learning_rate max_steps config.router_type data); the changes are logged."})
     report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata={"help": "Trackers: jsonl plus any Accelerate tracker (tensorboard, wandb, ...)."})
     plots: bool = field(default=True, metadata={"help": "Write PNG plots of loss and expert load at the end."})
     push_to_hub: bool = field(default=False, metadata={"help": "Push the final model to the Hub."})
@@ -60,6 +61,8 @@ class TrainArguments:
     # ---- parallelism beyond data parallel (hf_ppmoe.parallel)
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts spread over it (PPMoE); WORLD_SIZE / tp_size replicas."})
     pp_size: int = field(default=1, metadata={"help": "Pipeline stages (GPT-MoE): layers cut into pp_size stages, the micro-steps are the pipeline's microbatches; WORLD_SIZE / (pp_size * tp_size) replicas."})
+    fsdp_size: int = field(default=1, metadata={"help": "Processes that shard parameters, gradients and AdamW state (FSDP2); the other WORLD_SIZE / (fsdp_size * pp_size * tp_size) data-parallel processes are replicas of them (HSDP)."})
+    ep_size: int | None = field(default=None, metadata={"help": "Processes every MoE layer's experts are split over (default tp_size: PPMoE on the tensor-parallel group). A multiple k * tp_size, with k dividing fsdp_size, spreads them over k tensor-parallel groups that read different batches (Transformers' all-to-all)."})
 
     def __post_init__(self):
         if self.train_file is not None and isinstance(self.train_file, str):
@@ -86,7 +89,7 @@ class TrainArguments:
         if self.train_file and self.dataset_name:
             raise ValueError("Give either --train_file or --dataset_name, not both.")
         positive = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size",
-                    "eval_steps", "logging_steps")
+                    "fsdp_size", "eval_steps", "logging_steps")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
@@ -96,11 +99,12 @@ class TrainArguments:
             raise ValueError(f"--max_grad_norm must be >= 0 (0 disables clipping), got {self.max_grad_norm}.")
         if self.mixed_precision not in ("no", "bf16", "fp16"):
             raise ValueError(f"--mixed_precision {self.mixed_precision!r}: use no, bf16 or fp16.")
-        if (self.tp_size > 1 or self.pp_size > 1) and self.mixed_precision == "fp16":
+        self._check_expert_parallel()
+        if max(self.tp_size, self.pp_size, self.fsdp_size) > 1 and self.mixed_precision == "fp16":
             raise ValueError(
-                "--mixed_precision fp16 with --tp_size > 1 or --pp_size > 1: fp16 needs Accelerate's gradient scaler, "
-                "which works through an optimizer Accelerate prepares, and a split model's optimizer is kept out of "
-                "Accelerate (each process holds part of its state). Use --mixed_precision bf16."
+                "--mixed_precision fp16 with --tp_size, --pp_size or --fsdp_size > 1: fp16 needs Accelerate's gradient "
+                "scaler, which works through an optimizer Accelerate prepares, and a split model's optimizer is kept "
+                "out of Accelerate (each process holds part of its state). Use --mixed_precision bf16."
             )
         if self.learning_rate <= 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
@@ -110,6 +114,19 @@ class TrainArguments:
             raise ValueError(
                 "--push_to_hub was given but HF_HUB_OFFLINE is set: the Hub cannot be reached. Unset HF_HUB_OFFLINE "
                 "and log in (`hf auth login`), or drop --push_to_hub and upload the output folder later."
+            )
+
+    def _check_expert_parallel(self) -> None:
+        if self.ep_size is None or self.ep_size == self.tp_size:
+            return
+        k = self.ep_size // self.tp_size
+        if self.ep_size < self.tp_size or self.ep_size % self.tp_size or self.fsdp_size % k:
+            choices = sorted(self.tp_size * d for d in range(1, self.fsdp_size + 1) if self.fsdp_size % d == 0)
+            raise ValueError(
+                f"--ep_size {self.ep_size} with --tp_size {self.tp_size} --fsdp_size {self.fsdp_size}: the experts are "
+                "split over whole tensor-parallel groups (PPMoE: --ep_size = --tp_size) or over k of them that shard "
+                f"the same replica (--ep_size = k * tp_size, k dividing --fsdp_size). Use --ep_size in {choices}, or "
+                "raise --fsdp_size."
             )
 
     def check_model(self, config) -> None:
@@ -140,6 +157,14 @@ class TrainArguments:
             raise ValueError(
                 f"--tp_size {self.tp_size} does not divide num_experts={experts}: PPMoE spreads every MoE layer's "
                 f"experts evenly over the tensor-parallel group. Use a tp_size among the divisors of {experts}."
+            )
+        ep = self.ep_size or self.tp_size
+        if ep > self.tp_size and not experts:
+            raise ValueError(f"--ep_size {ep} splits experts; this {config.model_type} model has none. Drop --ep_size.")
+        if ep > self.tp_size and experts % ep:
+            raise ValueError(
+                f"--ep_size {ep} does not divide num_experts={experts}: every process gets num_experts / ep_size whole "
+                f"experts. Use an ep_size among the divisors of {experts}."
             )
 
     def to_json(self) -> str:

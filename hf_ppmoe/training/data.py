@@ -56,12 +56,27 @@ def read_text_files(paths: list[str], text_column: str = "text") -> list[str]:
     """Documents from .txt files (blank-line separated blocks) and .jsonl files (one object per line)."""
     docs: list[str] = []
     for path in paths:
-        content = Path(path).read_text(encoding="utf-8")
+        raw = Path(path).read_bytes()
+        try:
+            content = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            line = raw[: error.start].count(b"\n") + 1
+            raise ValueError(
+                f"{path}:{line} is not UTF-8 text (byte {error.start}: {raw[error.start:error.start + 1]!r}); training "
+                "files are .txt or .jsonl text. Convert the file, or point --train_file at the text."
+            ) from None
         if path.endswith((".jsonl", ".json")):
             for number, line in enumerate(content.splitlines(), 1):
                 if not line.strip():
                     continue
-                record = json.loads(line)
+                try:
+                    record = json.loads(line)
+                except ValueError as error:
+                    raise ValueError(
+                        f"{path}:{number} is not a JSON line ({error}): a .jsonl file holds one JSON object per line."
+                    ) from None
+                if not isinstance(record, dict):
+                    raise ValueError(f"{path}:{number} is a JSON {type(record).__name__}, not an object with a {text_column!r} field.")
                 if text_column not in record:
                     raise ValueError(f"{path}:{number} has no {text_column!r} field (fields: {sorted(record)}); set --text_column.")
                 docs.append(str(record[text_column]))

@@ -1,16 +1,24 @@
 """`hf-ppmoe demo`: the README's main job, end to end on the built-in corpus (no download).
 
-1. train a small dense GPT-2 on the Python language reference that ships with CPython;
-2. upcycle it to a GPT-MoE and check that its logits equal the dense model's;
-3. fine-tune the MoE and, for the same steps on the same batches, the dense model; compare their eval loss;
-4. generate with GShard flat beam search (and check it equals Transformers' beam search);
-5. merge the MoE's experts back into a plain GPT-2;
-6. write a report (markdown + PNG plots) and print where it is.
+1. split the Python language reference that ships with CPython into training topics and a named held-out set, and
+   train a small dense GPT-2 on the training topics;
+2. upcycle it to a GPT-MoE and check that its logits equal the dense model's; count total and active parameters;
+3. fine-tune the MoE and, for the same steps on the same batches, the dense model, for several data-order seeds;
+   compare their held-out loss per seed (the claim is made only if every seed agrees) and their tokens/s;
+4. measure the share of routes each expert receives in each MoE layer on the held-out set, before and after;
+5. generate with GShard flat beam search (and check it equals Transformers' beam search);
+6. merge the MoE's experts back into a plain GPT-2 and evaluate it on the same held-out set;
+7. write a report (markdown + PNG plots) and print where it is.
 Every stage is the library's public API: `hf_ppmoe.training.main`, `upcycle`, `flat_beam_search`, `merge_experts`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import math
+import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,114 +29,218 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from ..conversion import merge_experts, upcycle
 from ..generation import flat_beam_search
+from ..moe.layer import MoELayer
 from .arguments import TrainArguments
-from .data import builtin_corpus, train_tokenizer
-from .tracking import curve, plot_expert_load, read_jsonl
+from .data import builtin_corpus, pack, train_tokenizer
+from .tracking import curve, plot_expert_share, plot_paired_runs, read_jsonl
 from .train import main as train
 
-PROMPT = "The assert statement"
+PROMPT = "The while statement"
+HELD_OUT_EVERY = 10  # every 10th topic of the language reference (alphabetical order, from the first) is held out
 
 
 @dataclass
 class DemoArguments:
     output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go."})
     dense_steps: int = field(default=150, metadata={"help": "Steps of dense pre-training."})
-    finetune_steps: int = field(default=100, metadata={"help": "Steps of MoE (and dense) fine-tuning."})
+    finetune_steps: int = field(default=60, metadata={"help": "Steps of MoE (and dense) fine-tuning, per seed."})
+    seeds: int = field(default=3, metadata={"help": "Fine-tuning runs of each model (data orders seed+1, seed+2, ...)."})
     batch_size: int = field(default=16, metadata={"help": "Sequences per step."})
     block_size: int = field(default=128, metadata={"help": "Tokens per sequence."})
     hidden_size: int = field(default=128, metadata={"help": "Model width."})
-    num_layers: int = field(default=4, metadata={"help": "Transformer layers (every other FFN becomes MoE)."})
+    num_layers: int = field(default=4, metadata={"help": "Transformer layers."})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer."})
+    moe_layer_frequency: int = field(default=1, metadata={"help": "Every n-th FFN becomes an MoE layer (1: all; GShard and PPMoE use 2)."})
+    num_experts_per_tok: int = field(default=2, metadata={"help": "Experts each token is routed to (top-k)."})
     num_beams: int = field(default=4, metadata={"help": "Beams for flat beam search."})
     learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate of every stage."})
     seed: int = field(default=0, metadata={"help": "Random seed."})
+    evaluations: int = field(default=5, metadata={"help": "Held-out evaluations per training run (evenly spaced, the last at its end)."})
+    quick: bool = field(default=False, metadata={"help": "Tiny models and a few steps: every stage in seconds (a check, not a result)."})
+
+    def __post_init__(self):
+        """Refuse sizes that cannot work, naming the flag (before anything is trained)."""
+        for name in ("dense_steps", "finetune_steps", "seeds", "batch_size", "hidden_size", "num_layers", "num_experts",
+                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.block_size < 8:
+            raise ValueError(f"--block_size must be >= 8 (the prompt and the generated tokens fit in it), got {self.block_size}.")
+        if self.hidden_size % max(1, self.hidden_size // 32):
+            raise ValueError(f"--hidden_size {self.hidden_size}: the model has hidden_size // 32 heads of equal width; use a "
+                             "multiple of 32 (or a size below 64).")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"--num_experts_per_tok {self.num_experts_per_tok} exceeds --num_experts {self.num_experts}.")
+        if self.moe_layer_frequency > self.num_layers:
+            raise ValueError(f"--moe_layer_frequency {self.moe_layer_frequency} exceeds --num_layers {self.num_layers}: no FFN "
+                             "would become an MoE layer.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
 
 
-def _train(args: DemoArguments, out: Path, steps: int, seed: int, **model) -> dict:
+QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2,
+             num_experts=4, num_beams=2, evaluations=2)
+
+
+def _train(args: DemoArguments, root: Path, out: str, steps: int, seed: int, logging_steps: int, **model) -> dict:
     return train(
         TrainArguments(
-            output_dir=str(out), tokenizer_name=str(Path(args.output_dir) / "tokenizer"), max_steps=steps,
+            output_dir=str(root / out), tokenizer_name=str(root / "tokenizer"), max_steps=steps,
+            train_file=[str(root / "data" / "train.jsonl")], validation_file=[str(root / "data" / "held-out.jsonl")],
             per_device_train_batch_size=args.batch_size, block_size=args.block_size, learning_rate=args.learning_rate,
-            warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // 4), eval_batches=0, seed=seed,
-            logging_steps=max(1, steps // 50), plots=False, **model,
+            warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // args.evaluations), eval_batches=0, seed=seed,
+            logging_steps=logging_steps, plots=False, **model,
         )
     )
 
 
+def _records(root: Path, run: str) -> list[dict]:
+    return read_jsonl(root / run / "logs" / "metrics.jsonl")
+
+
 @torch.no_grad()
-def _lm_loss(model, blocks: torch.Tensor) -> float:
-    """Next-token cross-entropy alone (an MoE's `loss` also carries its router losses)."""
-    logits = model(blocks).logits
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), blocks[:, 1:].flatten()).item()
+def _lm_loss(model, blocks: torch.Tensor, batch_size: int) -> float:
+    """Next-token cross-entropy alone, token-weighted over `blocks` (an MoE's `loss` also carries its router losses);
+    the same quantity as the training loop's eval/loss."""
+    total = 0.0
+    for i in range(0, len(blocks), batch_size):
+        batch = blocks[i : i + batch_size]
+        logits = model(batch).logits.float()
+        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
+    return total / (blocks.shape[0] * (blocks.shape[1] - 1))
 
 
-def _curve(run: Path, key: str):
-    return curve(read_jsonl(run / "logs" / "metrics.jsonl"), key)
+@torch.no_grad()
+def expert_shares(model, blocks: torch.Tensor, batch_size: int) -> dict[str, list[float]]:
+    """Per MoE layer, the share of all routes (tokens x k) that each expert receives on `blocks`."""
+    names = [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
+    E = model.config.num_experts
+    counts = torch.zeros(len(names), E)
+    for i in range(0, len(blocks), batch_size):
+        ids = model(blocks[i : i + batch_size], output_router_logits=True).router_expert_ids
+        counts += torch.stack([torch.bincount(layer.flatten(), minlength=E + 1)[:E].float() for layer in ids])
+    shares = counts / counts.sum(1, keepdim=True)
+    return {"layer " + name.split(".")[-2]: row.tolist() for name, row in zip(names, shares)}
 
 
-def _plots(root: Path) -> list[str]:
-    import matplotlib
+def _median_tokens_per_second(records: list[list[dict]]) -> float:
+    """Median over every step but each run's first (which includes start-up) of the logged tokens/s."""
+    return statistics.median(v for r in records for v in curve(r, "train/tokens_per_second")[1][1:])
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    dense_steps = _curve(root / "dense", "train/lm_loss")[0][-1]
-    ax.plot(*_curve(root / "dense", "train/lm_loss"), color="gray", label="dense pre-training")
-    for run, color, label in (("dense-finetuned", "tab:blue", "dense, continued"), ("moe", "tab:red", "upcycled MoE")):
-        steps, values = _curve(root / run, "train/lm_loss")
-        ax.plot([dense_steps + s for s in steps], values, color=color, label=f"{label} (train)")
-        steps, values = _curve(root / run, "eval/loss")
-        ax.plot([dense_steps + s for s in steps], values, color=color, marker="o", linestyle="--", label=f"{label} (eval)")
-    ax.axvline(dense_steps, color="black", linewidth=0.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel("LM cross-entropy")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(root / "loss.png", dpi=120)
-    plt.close(fig)
+def _verdict(diffs: list[float]) -> str:
+    """What the per-seed held-out differences (MoE minus dense) support, and nothing more: a difference is claimed
+    only when every seed has the same sign and the mean is more than twice the seeds' standard deviation from 0."""
+    listed = ", ".join(f"{d:+.4f}" for d in diffs)
+    if len(diffs) == 1:
+        return (f"MoE minus dense: {listed} nats from one seed; with one seed there is no spread to compare it with, "
+                "so no difference is claimed (run with --seeds 3).")
+    mean, spread = statistics.mean(diffs), statistics.stdev(diffs)
+    stats = f"MoE minus dense per seed: {listed} nats (mean {mean:+.4f}, standard deviation {spread:.4f} over {len(diffs)} seeds)"
+    if abs(mean) <= 2 * spread or not (all(d < 0 for d in diffs) or all(d > 0 for d in diffs)):
+        return f"{stats}: the difference is within the spread of the seeds at this size, so none is claimed."
+    if mean < 0:
+        return f"{stats}: the upcycled MoE ends lower in every seed, by {-max(diffs):.4f} to {-min(diffs):.4f} nats."
+    return f"{stats}: the dense model ends lower in every seed; the MoE does not pay off at this size and budget."
 
-    plot_expert_load(read_jsonl(root / "moe" / "logs" / "metrics.jsonl"), root / "expert_load.png", "fine-tuning step")
-    return ["loss.png", "expert_load.png"]
+
+def _held_out(texts: list[str]) -> tuple[list[str], list[str], list[str], int]:
+    """(training topics, held-out topics, held-out topic names, distinct topics): of the corpus' distinct texts (two
+    topics share one), every HELD_OUT_EVERY-th is held out."""
+    from pydoc_data.topics import topics
+
+    distinct: dict[str, str] = {}
+    for name, text in zip(sorted(topics), texts):  # sorted(topics) is the order of builtin_corpus()
+        distinct.setdefault(text, name)
+    texts, names = list(distinct), list(distinct.values())
+    held = range(0, len(texts), HELD_OUT_EVERY)
+    return ([t for i, t in enumerate(texts) if i % HELD_OUT_EVERY], [texts[i] for i in held], [names[i] for i in held],
+            len(texts))
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+
+
+def _millions(n: int) -> str:
+    return f"{n / 1e6:.2f}M"
 
 
 def run_demo(args: DemoArguments) -> Path:
+    if args.quick:
+        args = dataclasses.replace(args, **QUICK)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()
+    times = {}
     torch.manual_seed(args.seed)
-    texts = builtin_corpus()
-    tokenizer = train_tokenizer(texts)
+    corpus = builtin_corpus()
+    train_texts, held_texts, held_names, distinct = _held_out(corpus)
+    _write_jsonl(root / "data" / "train.jsonl", train_texts)
+    _write_jsonl(root / "data" / "held-out.jsonl", held_texts)
+    tokenizer = train_tokenizer(train_texts)
     tokenizer.save_pretrained(root / "tokenizer")
+    held_out = pack(held_texts, tokenizer, args.block_size)  # the blocks the training loop evaluates on
+    train_tokens = pack(train_texts, tokenizer, args.block_size).numel()
+    tokens_per_step = args.batch_size * args.block_size
 
-    print(f"[1/6] dense GPT-2 pre-training ({args.dense_steps} steps)")
+    print(f"[1/7] dense GPT-2 pre-training ({args.dense_steps} steps)")
+    clock = time.perf_counter()
     GPT2Config(
         vocab_size=len(tokenizer), n_embd=args.hidden_size, n_layer=args.num_layers, n_head=max(1, args.hidden_size // 32),
         n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     ).to_json_file(root / "dense_config.json")
-    dense_eval = _train(args, root / "dense", args.dense_steps, args.seed, config_name=str(root / "dense_config.json"))
+    dense_eval = _train(args, root, "dense", args.dense_steps, args.seed, max(1, args.dense_steps // 50),
+                        config_name=str(root / "dense_config.json"))["eval/loss"]
+    times["dense pre-training"] = time.perf_counter() - clock
 
-    print(f"[2/6] upcycling to a GPT-MoE: {args.num_experts} experts, top-2, every other FFN")
+    k = args.num_experts_per_tok
+    layers = "every FFN" if args.moe_layer_frequency == 1 else f"one FFN in {args.moe_layer_frequency}"
+    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {layers}")
+    clock = time.perf_counter()
     dense = AutoModelForCausalLM.from_pretrained(root / "dense").eval()
-    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=2, router_type="topk",
-            router_init="random", seed=args.seed, save_directory=root / "moe-init", overwrite=True)
+    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",
+            router_init="random", moe_layer_frequency=args.moe_layer_frequency, seed=args.seed,
+            save_directory=root / "moe-init", overwrite=True)
     moe = AutoModelForCausalLM.from_pretrained(root / "moe-init").eval()
-    sample = tokenizer(texts[0][:400], return_tensors="pt").input_ids[:, : args.block_size]
+    probe = held_out[: args.batch_size]
     with torch.no_grad():
-        gap = (moe(sample).logits - dense(sample).logits).abs().max().item()
+        gap = (moe(probe).logits - dense(probe).logits).abs().max().item()
+    dense_total, moe_total, moe_active = dense.num_parameters(), moe.num_parameters(), moe.num_active_parameters()
+    share_init = expert_shares(moe, held_out, args.batch_size)
     print(f"      max |logit difference| between the upcycled MoE and the dense model: {gap:.2e}")
+    print(f"      parameters: dense {_millions(dense_total)}; MoE {_millions(moe_total)} total, "
+          f"{_millions(moe_active)} active per token")
+    times["upcycling"] = time.perf_counter() - clock
 
-    print(f"[3/6] fine-tuning the MoE and the dense model for {args.finetune_steps} steps on the same batches")
-    moe_eval = _train(args, root / "moe", args.finetune_steps, args.seed + 1, model_name_or_path=str(root / "moe-init"))
-    dense_ft_eval = _train(args, root / "dense-finetuned", args.finetune_steps, args.seed + 1, model_name_or_path=str(root / "dense"))
-    better = moe_eval["eval/loss"] < dense_ft_eval["eval/loss"]
-    print(f"      eval loss: upcycled MoE {moe_eval['eval/loss']:.4f} vs dense {dense_ft_eval['eval/loss']:.4f} "
-          f"({'the MoE is lower' if better else 'the MoE is NOT lower this time'})")
+    seeds = [args.seed + 1 + i for i in range(args.seeds)]
+    print(f"[3/7] fine-tuning the MoE and the dense model, {args.finetune_steps} steps on the same batches, seeds {seeds}")
+    clock, load_before = time.perf_counter(), os.getloadavg()[0]
+    results = {"moe": [], "dense": []}
+    for seed in seeds:  # interleaved, so that a change in the machine's load hits both models alike
+        results["moe"].append(_train(args, root, f"finetune/moe-seed{seed}", args.finetune_steps, seed, 1,
+                                     model_name_or_path=str(root / "moe-init"))["eval/loss"])
+        results["dense"].append(_train(args, root, f"finetune/dense-seed{seed}", args.finetune_steps, seed, 1,
+                                       model_name_or_path=str(root / "dense"))["eval/loss"])
+        print(f"      seed {seed}: held-out loss MoE {results['moe'][-1]:.4f}, dense {results['dense'][-1]:.4f}")
+    diffs = [m - d for m, d in zip(results["moe"], results["dense"])]
+    verdict = _verdict(diffs)
+    print(f"      {verdict}")
+    logs = {name: [_records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in results}
+    speed = {name: _median_tokens_per_second(records) for name, records in logs.items()}
+    times["fine-tuning"] = time.perf_counter() - clock
+    load_after = os.getloadavg()[0]
 
-    print(f"[4/6] generating with flat beam search ({args.num_beams} beams)")
-    moe = AutoModelForCausalLM.from_pretrained(root / "moe").eval()
+    print("[4/7] expert token shares on the held-out set")
+    clock = time.perf_counter()
+    moe = AutoModelForCausalLM.from_pretrained(root / f"finetune/moe-seed{seeds[0]}").eval()
+    share_tuned = expert_shares(moe, held_out, args.batch_size)
+    spread = {title: (min(min(r) for r in s.values()), max(max(r) for r in s.values()))
+              for title, s in (("init", share_init), ("tuned", share_tuned))}
+
+    print(f"[5/7] generating with flat beam search ({args.num_beams} beams)")
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     new_tokens = min(30, args.block_size - prompt.shape[1])  # the model has block_size positions
     kw = dict(num_beams=args.num_beams, max_new_tokens=new_tokens, repetition_penalty=1.3,
@@ -138,44 +250,116 @@ def run_demo(args: DemoArguments) -> Path:
     text = tokenizer.decode(flat[0], skip_special_tokens=True)
     print(f"      {text!r}\n      identical to Transformers' beam search: {same}")
 
-    print("[5/6] merging the experts back into a plain GPT-2 (router-usage-weighted mean)")
-    merged = merge_experts(root / "moe", method="usage", sample_texts=texts[:20], tokenizer=tokenizer,
-                           save_directory=root / "merged", overwrite=True)
+    print("[6/7] merging the experts back into a plain GPT-2 (router-usage-weighted mean)")
+    merged = merge_experts(root / f"finetune/moe-seed{seeds[0]}", method="usage", sample_texts=train_texts[:20],
+                           tokenizer=tokenizer, save_directory=root / "merged", overwrite=True)
     merged = AutoModelForCausalLM.from_pretrained(merged).eval()
-    blocks = tokenizer("\n\n".join(texts[-3:]), return_tensors="pt").input_ids
-    blocks = blocks[:, : (blocks.shape[1] // args.block_size) * args.block_size].view(-1, args.block_size)[:16]
-    merged_loss, moe_loss = _lm_loss(merged, blocks), _lm_loss(moe, blocks)
-    print(f"      {type(merged).__name__}: loss {merged_loss:.4f} on held-out text (the MoE: {moe_loss:.4f})")
+    merged_loss = _lm_loss(merged, held_out, args.batch_size)
+    moe_loss = _lm_loss(moe, held_out, args.batch_size)
+    print(f"      {type(merged).__name__}: held-out loss {merged_loss:.4f} (the MoE it came from: {moe_loss:.4f})")
 
-    print("[6/6] writing the report")
-    plots = _plots(root)
+    times["expert shares, generation, merging"] = time.perf_counter() - clock
+    if merged_loss > moe_loss:
+        merge_note = ("Averaging keeps what the experts share and loses what they learned apart "
+                      f"({merged_loss - moe_loss:.4f} nats here).")
+    else:
+        merge_note = "The merged model is no worse than the MoE here."
+    print("[7/7] writing the report")
+    plot_paired_runs({"MoE": logs["moe"], "dense": logs["dense"]}, root / "training.png", _records(root, "dense"))
+    plot_expert_share({f"upcycled, before fine-tuning ({args.num_experts} experts, top-{k})": share_init,
+                       f"after {args.finetune_steps} fine-tuning steps (seed {seeds[0]})": share_tuned},
+                      root / "expert_share.png")
     minutes = (time.perf_counter() - start) / 60
+    stage_times = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times.items())
+    epochs = (args.dense_steps + args.finetune_steps) * tokens_per_step / train_tokens
+    perplexity = math.exp(results["moe"][0])
+    rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |"
+                     for seed, m, d in zip(seeds, results["moe"], results["dense"], strict=True))
+    quick = "\n*`--quick`: tiny models and a few steps, a check that every stage runs; the numbers are not a result.*\n"
+    moe_row = f"{_millions(moe_total)} ({moe_total / dense_total:.2f}x) | {_millions(moe_active)} ({moe_active / dense_total:.2f}x)"
+    exact = "equal up to float32 rounding" if gap < 1e-4 else "NOT equal: upcycling went wrong"
     report = f"""# hf-ppmoe demo
+{quick if args.quick else ""}
+## Data
 
-Built-in corpus: the Python language reference shipped with CPython ({len(texts)} documents); byte-level BPE
-tokenizer with {len(tokenizer)} tokens; sequences of {args.block_size} tokens, {args.batch_size} per step.
+The Python language reference that ships with CPython (`pydoc_data.topics`, no download: {len(corpus)} topics,
+{distinct} distinct texts). **Held-out set**: every {HELD_OUT_EVERY}th distinct topic in alphabetical order, from the first:
+{", ".join(f"`{n}`" for n in held_names)} ({len(held_texts)} topics, {held_out.numel():,} tokens in
+{len(held_out)} blocks of {args.block_size}). No model trains on them, the tokenizer (byte-level BPE, {len(tokenizer)}
+tokens) is fitted without them, and every loss below called "held-out" is the next-token cross-entropy (nats per
+token, router losses excluded) on these blocks. The other {len(train_texts)} topics ({train_tokens:,} tokens) are the
+training set; steps are {args.batch_size} sequences of {args.block_size} tokens.
 
-| stage | model | steps | eval loss |
+## Models
+
+| model | parameters | active per token |
+|---|---|---|
+| dense GPT-2, {args.num_layers} layers, hidden {args.hidden_size} | {_millions(dense_total)} | {_millions(dense_total)} |
+| upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {moe_row} |
+
+Upcycling copies the dense FFN into every expert: max |logit difference| between the fresh MoE and the dense model
+on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
+
+## Dense pre-training, then fine-tuning both models
+
+The dense model trains {args.dense_steps} steps (held-out loss {dense_eval:.4f}). From there, the upcycled MoE and the
+dense model each train {args.finetune_steps} more steps with the same schedule on the same batches, once per
+data-order seed:
+
+| seed | MoE held-out loss | dense held-out loss | MoE minus dense |
 |---|---|---|---|
-| dense pre-training | GPT-2, {args.num_layers} layers, hidden {args.hidden_size} | {args.dense_steps} | {dense_eval['eval/loss']:.4f} |
-| fine-tuning | dense GPT-2, continued | {args.finetune_steps} | {dense_ft_eval['eval/loss']:.4f} |
-| fine-tuning | upcycled GPT-MoE, {args.num_experts} experts top-2, every other FFN | {args.finetune_steps} | {moe_eval['eval/loss']:.4f} |
+{rows}
 
-- Upcycling is exact: max |logit difference| between the fresh MoE and the dense model = {gap:.2e}.
-- After the same fine-tuning steps on the same batches the MoE's eval loss is {'lower' if better else 'not lower'} than the
-  dense model's ({moe_eval['eval/loss']:.4f} vs {dense_ft_eval['eval/loss']:.4f}).
-- Flat beam search ({args.num_beams} beams) from "{PROMPT}": `{text!r}`; identical to Transformers' beam search: {same}.
-- Merged back into `{type(merged).__name__}` (router-usage-weighted mean of the experts): held-out loss
-  {merged_loss:.4f}, against {moe_loss:.4f} for the MoE.
-- Total time: {minutes:.1f} minutes.
+{verdict}
 
-![loss](loss.png)
+Speed (median step of the fine-tuning runs above, the two models' runs interleaved on this machine, {os.cpu_count()}
+cores, 1-min load average {load_before:.1f} before and {load_after:.1f} after them): MoE {speed['moe']:,.0f} tokens/s,
+dense {speed['dense']:,.0f} tokens/s ({speed['moe'] / speed['dense']:.2f}x). The
+comparison is at equal steps and equal data, not at equal compute: the MoE computes with
+{moe_active / dense_total:.2f}x the dense model's active parameters per token.
 
-![expert load](expert_load.png)
+![training](training.png)
 
-Folders: `dense/` (GPT-2), `moe-init/` (upcycled), `moe/` (fine-tuned GPT-MoE), `dense-finetuned/`, `merged/`
-(plain GPT-2, loads without hf_ppmoe); each run has `logs/metrics.jsonl`.
+Left: dense pre-training. Middle: the fine-tuning phase, mean over seeds (train loss as a 10-step moving average).
+Right: MoE minus dense on the same batch, per step (thin: each seed; thick: their mean, 10-step average) and on the
+held-out set (dots).
+
+## Where the tokens go
+
+Share of routes (tokens x {k}) that each expert receives in each MoE layer, on the held-out set; uniform would be
+{100 / args.num_experts:.1f}%. Freshly upcycled (random router): {100 * spread['init'][0]:.1f}% to
+{100 * spread['init'][1]:.1f}%; after fine-tuning: {100 * spread['tuned'][0]:.1f}% to {100 * spread['tuned'][1]:.1f}%.
+
+![expert share](expert_share.png)
+
+## Generation
+
+Flat beam search ({args.num_beams} beams, GShard appendix A.5) with the seed-{seeds[0]} MoE from "{PROMPT}":
+
+> {text!r}
+
+Identical to Transformers' beam search: {same}. Why it reads as it does: the model has {_millions(moe_total)}
+parameters, has seen the training set {epochs:.2g} times ({args.dense_steps + args.finetune_steps} steps), and its
+held-out perplexity is {perplexity:.0f} (exp of {results['moe'][0]:.4f}): on average it is as unsure of the next token
+as a uniform choice among {perplexity:.0f}. That is enough to pick up frequent words, markup and code fragments of the
+corpus, not to follow a thought, and beam search, which returns the most probable continuation, tends to favour generic
+and repeated phrases (repetition_penalty=1.3 keeps it from looping).
+
+## Merging back into GPT-2
+
+The seed-{seeds[0]} MoE's experts merged into a plain `{type(merged).__name__}` (router-usage-weighted mean), the
+dense model's size again: held-out loss {merged_loss:.4f}, against {moe_loss:.4f} for the MoE it came from and
+{results['dense'][0]:.4f} for the dense model fine-tuned on the same batches. {merge_note}
+
+## Run time
+
+{minutes:.1f} minutes in all on {os.cpu_count()} cores (1-min load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at
+the end): {stage_times}.
+
+Folders: `data/` (training and held-out topics), `dense/` (GPT-2), `moe-init/` (upcycled),
+`finetune/moe-seedN/` and `finetune/dense-seedN/` (each with `logs/metrics.jsonl`), `merged/` (plain GPT-2, loads
+without hf_ppmoe).
 """
     (root / "report.md").write_text(report)
-    print(f"done in {minutes:.1f} min: report at {(root / 'report.md').resolve()} (plots: {', '.join(plots)})")
+    print(f"done in {minutes:.1f} min: report at {(root / 'report.md').resolve()} (plots: training.png, expert_share.png)")
     return root / "report.md"

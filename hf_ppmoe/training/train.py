@@ -5,33 +5,35 @@ apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) 
 
 Data order is a pure function of (seed, step): the global batch of step s is the s-th slice of per-epoch seeded
 permutations, cut into micro-batches and data-parallel shards. Together with Accelerate's saved optimizer,
-scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be.
+scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be; what a
+checkpoint records about its run, and the checks that refuse a resume that would not continue it, are in
+`checkpoints.py`.
 
-`--tp_size N` splits the model over groups of N processes with hf_ppmoe.parallel (tensor parallelism, PPMoE expert
-parallelism); the groups are data-parallel replicas of each other (`DataParallel`). Accelerate keeps the loop,
-gradient accumulation, the schedule, RNG states, logging; it cannot wrap or checkpoint a DTensor-sharded model
-(its DDP refuses DTensors, its TP support composes only with FSDP2, and `save_state` writes model and optimizer from
-the main process alone), so the replicas average their gradients over the data-parallel group here and the model
-and optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards.
+`--tp_size`, `--pp_size`, `--fsdp_size` and `--ep_size` split the model over the processes with hf_ppmoe.parallel
+(`parallel_setup.py`: tensor parallelism with PPMoE expert parallelism, pipeline stages, FSDP2 / HSDP, experts over
+several tensor-parallel groups). Accelerate keeps the loop, gradient accumulation, the schedule, RNG states, logging;
+it cannot wrap or checkpoint a DTensor-sharded model (its DDP refuses DTensors, its TP support composes only with
+FSDP2, and `save_state` writes model and optimizer from the main process alone), so a split model's data-parallel
+processes (replicas, FSDP ranks) average their gradients through FSDP2 (HSDP with shard groups of one when nothing
+is sharded), the gradients are clipped by the whole model's norm (`parallel_setup.clip_grad_norm_`), and model and
+optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards. The final model
+is gathered (every shard, every stage) and written whole by rank 0. Evaluation of a sharded model runs every
+forward on every data-parallel process (FSDP's all-gathers are collectives), counting only its own batches.
 
-`--pp_size P` (GPT-MoE; with or without --tp_size T) cuts the model into P stages (`hf_ppmoe.parallel.Pipeline`) on a
-(dp, pp, tp) mesh of WORLD_SIZE / (P * T) replicas. A replica's batch for an optimizer step is the rows its
-micro-steps would have read, concatenated; one `Pipeline.step` runs them as the pipeline's microbatches (1F1B, or
-GPipe when there are fewer microbatches than stages). Gradients are averaged over the replicas and clipped by the
-whole model's norm (summed over the stages, a parameter several stages hold counted once); evaluation runs the
-stages forward one after another (`Pipeline.forward`); router metrics come from every stage. Checkpoints hold each
-stage's model and optimizer under its own key (torch.distributed.checkpoint); the final model is gathered from the
-stages and written whole by rank 0.
+`--pp_size P` (GPT-MoE) cuts the model into P stages (`hf_ppmoe.parallel.Pipeline`). A replica's batch for an
+optimizer step is the rows its micro-steps would have read, concatenated; one `Pipeline.step` runs them as the
+pipeline's microbatches (1F1B, or GPipe when there are fewer microbatches than stages). The norm sums the stages'
+(a parameter several stages hold counted once); evaluation runs the stages forward one after another
+(`Pipeline.forward`); router metrics come from every stage. Checkpoints hold each stage's model and optimizer under
+its own key.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import math
-import re
-import shutil
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -39,19 +41,22 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import broadcast_object_list, set_seed
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
-from ..parallel import Pipeline, make_mesh, parallelize
+from ..parallel.checkpoint import load_distributed_checkpoint
+from ..parallel.data_parallel import set_gradient_sync
+from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
+from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
+from .consistency import check_processes_agree
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
-
-CHECKPOINT_PREFIX = "step_"
 
 
 def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
@@ -122,49 +127,6 @@ def build_model(args: TrainArguments, tokenizer):
     return model
 
 
-class DataParallel:
-    """The processes that share the data: all of Accelerate's (each holds the whole model; Accelerate's DDP averages
-    the gradients), or with `tp_size` / `pp_size` > 1 the replicas of a (dp, pp, tp) mesh, each `pp_size * tp_size`
-    consecutive processes (pipeline stages, each a tensor-parallel group) that see the same batches. `rank` / `size`
-    number the replicas."""
-
-    def __init__(self, accelerator: Accelerator, tp_size: int, pp_size: int = 1):
-        self.accelerator, self.mesh = accelerator, None
-        self.rank, self.size = accelerator.process_index, accelerator.num_processes
-        split = tp_size * pp_size
-        if split > 1:
-            if self.size % split:
-                sizes = " with ".join(f"--{n} {v}" for n, v in (("pp_size", pp_size), ("tp_size", tp_size)) if v > 1)
-                raise ValueError(
-                    f"{sizes} needs a multiple of {split} processes; this job has {self.size}. Start it "
-                    f"with `torchrun --nproc-per-node {split}` (or a multiple, for data parallelism on top)."
-                )
-            self.mesh = make_mesh(dp=self.size // split, pp=pp_size, tp=tp_size)
-            self.rank, self.size = self.mesh["dp"].get_local_rank(), self.mesh["dp"].size()
-
-    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
-        """Sum or mean over the replicas (the processes of one tensor-parallel group hold the same value; those of
-        one pipeline, their own stage's)."""
-        if self.mesh is None:
-            return self.accelerator.reduce(tensor, reduction=reduction)
-        tensor = tensor.clone()
-        dist.all_reduce(tensor, group=self.mesh["dp"].get_group())
-        return tensor / self.size if reduction == "mean" else tensor
-
-    @torch.no_grad()
-    def average_gradients(self, model) -> None:
-        """What DDP does for the replicas of a tensor-parallel model: every gradient (a split one's local shard)
-        averaged over the data-parallel group, in one flat all-reduce."""
-        if self.mesh is None or self.size == 1:
-            return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
-        grads = [g for g in grads if g is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]) / self.size
-        dist.all_reduce(flat, group=self.mesh["dp"].get_group())
-        for g, averaged in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(averaged.view_as(g))
-
-
 def batch_indices(step: int, micro: int, process: int, args: TrainArguments, world: int, n_blocks: int) -> torch.Tensor:
     """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
     b = args.per_device_train_batch_size
@@ -178,19 +140,7 @@ def batch_indices(step: int, micro: int, process: int, args: TrainArguments, wor
     return rows
 
 
-def find_checkpoint(args: TrainArguments) -> Path | None:
-    if not args.resume:
-        return None
-    if args.resume != "latest":
-        return Path(args.resume)
-    done = sorted(Path(args.output_dir, "checkpoints").glob(f"{CHECKPOINT_PREFIX}*[0-9]"), key=lambda p: int(p.name.split("_")[1]))
-    done = [p for p in done if (p / "trainer_state.json").exists()]
-    if not done:
-        raise ValueError(f"--resume latest: no complete checkpoint in {args.output_dir}/checkpoints.")
-    return done[-1]
-
-
-SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a tensor-parallel model and its optimizer
+SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
 
 
 def sharded_state(model, optimizer, stage: int | None = None) -> dict:
@@ -201,74 +151,28 @@ def sharded_state(model, optimizer, stage: int | None = None) -> dict:
     return state if stage is None else {f"stage_{stage}": state}
 
 
-def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, sharded=None) -> None:
-    """Accelerate state into a temporary folder, renamed when complete (a killed save leaves no checkpoint).
-    sharded: (model, optimizer, pipeline stage or None) that Accelerate does not hold (tensor / pipeline parallel),
-    saved by every process."""
-    root = Path(args.output_dir, "checkpoints")
-    final, staging = root / f"{CHECKPOINT_PREFIX}{step}", root / f"{CHECKPOINT_PREFIX}{step}.saving"
-    if accelerator.is_main_process:
-        shutil.rmtree(staging, ignore_errors=True)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(staging))
-    if sharded is not None:
-        dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (staging / "trainer_state.json").write_text(json.dumps({"step": step}))
-        shutil.rmtree(final, ignore_errors=True)
-        staging.rename(final)
+def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, sharded=None) -> None:
+    """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
+    (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step), with
+    the run's `record` (hf_ppmoe.training.checkpoints). sharded: (model, optimizer, pipeline stage or None) that
+    Accelerate does not hold (tensor / pipeline parallel), saved by every process."""
+    final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
+    with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
+        (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
+        accelerator.save_state(str(staging))
+        if sharded is not None:
+            dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_state(staging, step, record)
     accelerator.wait_for_everyone()
 
 
 def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
     state = sharded_state(model, optimizer, stage)
-    dcp.load(state, checkpoint_id=path)
+    load_distributed_checkpoint(state, path)
     state = state if stage is None else state[f"stage_{stage}"]
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-@torch.no_grad()
-def clip_pipeline_grad_norm(pipe: Pipeline, max_norm: float) -> torch.Tensor:
-    """`clip_grad_norm_` of the whole model from its stages: the squares of the stage's gradient norms (a tensor-
-    parallel gradient's full norm) summed over the pipeline group, a parameter several stages hold counted by its
-    first holder only; every gradient is then scaled by the same factor. Returns the norm before clipping."""
-    repeated = {id(p) for key, p in pipe.module.shared_parameters().items() if pipe.holders[key][0] != pipe.rank}
-    params = [p for p in pipe.module.parameters() if p.grad is not None]
-    squares = torch.zeros((), device=pipe.device)
-    for p in params:
-        if id(p) not in repeated:
-            norm = torch.linalg.vector_norm(p.grad.float())
-            squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm) ** 2
-    dist.all_reduce(squares, group=pipe.group)
-    total = squares.sqrt()
-    if max_norm:
-        scale = (max_norm / (total + 1e-6)).clamp(max=1.0).item()  # as torch.nn.utils.clip_grad_norm_
-        for p in params:
-            p.grad.mul_(scale)
-    return total
-
-
-def gather_pipeline(pipe: Pipeline, dp: DataParallel):
-    """The whole model on rank 0 (None elsewhere), loaded from replica 0's stages: each stage's state dict (tensor-
-    parallel shards gathered) with its layers renamed to their indices in the whole model."""
-    layers, state = pipe.layers[pipe.rank], {}
-    for name, tensor in pipe.module.model.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()  # a collective of the tensor-parallel group
-        name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{layers[int(m[1])]}.", name)
-        state[name] = tensor.detach().cpu()
-    if dp.mesh["dp"].get_local_rank() or dp.mesh["tp"].get_local_rank():
-        return None
-    stages = [None] * pipe.size if pipe.rank == 0 else None
-    dist.gather_object(state, stages, group=pipe.group, group_dst=0)
-    if pipe.rank != 0:
-        return None
-    config = copy.copy(pipe.module.model.config)
-    config.distributed_config = None  # set by tensor parallelism: save_pretrained would wait for the other ranks
-    model = AutoModelForCausalLM.from_config(config)
-    model.load_state_dict({name: tensor for stage in stages for name, tensor in stage.items()})
-    return model
 
 
 @torch.no_grad()
@@ -283,12 +187,17 @@ def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Acc
     batches = list(range(0, len(blocks), b))
     if args.eval_batches:
         batches = batches[: args.eval_batches]
+    mine = batches[dp.rank :: dp.size]
+    # a sharded model's forward is a collective of all data-parallel processes: one with fewer batches runs the
+    # others' extra forwards on its first batch (or the first one) and does not count them
+    rounds = -(-len(batches) // dp.size) if dp.sharded else len(mine)
     total = torch.zeros(2, device=accelerator.device)
-    for i in batches[dp.rank :: dp.size]:
+    for r in range(rounds):
+        i = mine[r] if r < len(mine) else batches[0]
         batch = blocks[i : i + b].to(accelerator.device)
         with accelerator.autocast():
             logits = forward(batch).logits if pipe is None else pipe.forward(batch)
-        if logits is None:  # not the pipeline's last stage
+        if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
             continue
         logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
         total[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
@@ -305,10 +214,11 @@ def main(args: TrainArguments) -> dict:
     """Train; returns a summary (final step, eval loss, output folder). See `python -m hf_ppmoe.training --help`."""
     args.validate()
     checkpoint = find_checkpoint(args)
-    resume_step = json.loads((checkpoint / "trainer_state.json").read_text())["step"] if checkpoint else None
+    saved = read_checkpoint(checkpoint) if checkpoint else None  # its files checked before anything is built
+    resume_step = saved["step"] if saved else None
     output_dir = Path(args.output_dir)
-    trackers = [JSONLinesTracker("hf-ppmoe", str(output_dir / "logs"), resume_step)]
-    trackers += [name for name in args.report_to if name != "jsonl"]
+    jsonl = JSONLinesTracker("hf-ppmoe", str(output_dir / "logs"), resume_step)  # writes nothing before training
+    trackers = [jsonl] + [name for name in args.report_to if name != "jsonl"]
     accelerator = Accelerator(
         # without an accelerator, say so: Accelerate only recognises several CPU processes (torchrun) as data
         # parallel when told it runs on the CPU
@@ -336,19 +246,17 @@ def main(args: TrainArguments) -> dict:
 
     model = build_model(args, tokenizer)
     args.check_model(model.config)
-    dp = DataParallel(accelerator, args.tp_size, args.pp_size)
+    dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
+    check_processes_agree(args, model)
+    # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
+    run_id = (saved or {}).get("run_id") or new_run_id()
+    record = run_record(args, model.config, blocks, accelerator.num_processes, run_id)
+    changes = check_resume(saved, record, args.allow_resume_changes) if saved else {}
+    if saved:
+        record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
     model.train()
-    monitor, pipe = RouterMonitor(model), None
-    if args.pp_size > 1:  # every process built the same weights (same seed or checkpoint) and keeps its stage
-        micro = args.gradient_accumulation_steps
-        pipe = Pipeline(
-            model, dp.mesh["pp"], num_microbatches=micro, schedule="1f1b" if micro >= args.pp_size else "gpipe",
-            tp=dp.mesh["tp"] if args.tp_size > 1 else None,
-        )
-        model = pipe.module
-        monitor.keep_only(model)
-    elif dp.mesh is not None:
-        parallelize(model, dp.mesh["tp"])  # every process built the same weights (same seed or checkpoint)
+    monitor = RouterMonitor(model)
+    model, pipe = split_model(model, args, dp, monitor)  # with tp/pp/fsdp/ep sizes: see parallel_setup.py
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
@@ -364,7 +272,6 @@ def main(args: TrainArguments) -> dict:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
-    accelerator.init_trackers("hf-ppmoe", config=json.loads(args.to_json()))
     start_step = 0
     if checkpoint is not None:
         accelerator.load_state(str(checkpoint))
@@ -372,6 +279,12 @@ def main(args: TrainArguments) -> dict:
             load_sharded(checkpoint / SHARDED, *sharded)
         start_step = resume_step
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
+    # training starts: from here on the output folder's logs are this run's
+    accelerator.init_trackers("hf-ppmoe", config={**json.loads(args.to_json()), "run_id": record["run_id"]})
+    if changes:
+        accelerator.print(f"warning: resumed with changed settings (--allow_resume_changes): {changes}")
+        if accelerator.is_main_process:
+            jsonl.log({"resumed_with_changes": changes}, step=start_step)
 
     config = pipe.module.model.config if pipe else accelerator.unwrap_model(model).config
     tokens_per_step = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size
@@ -384,8 +297,7 @@ def main(args: TrainArguments) -> dict:
             batch = blocks[torch.cat(rows)].to(accelerator.device)
             with accelerator.autocast():
                 pipe.step(batch, batch)
-            dp.average_gradients(model)
-            grad_norm = clip_pipeline_grad_norm(pipe, args.max_grad_norm)
+            grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp, pipe)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             sums = torch.stack([pipe.losses[name] for name in ("lm", "aux", "z")])
@@ -395,12 +307,12 @@ def main(args: TrainArguments) -> dict:
             for micro in range(args.gradient_accumulation_steps):
                 batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
                 with accelerator.accumulate(model):
+                    set_gradient_sync(model, accelerator.sync_gradients)  # FSDP: reduce on the last micro-step only
                     with accelerator.autocast():
                         out = model(batch, labels=batch)
                     accelerator.backward(out.loss)
                     if accelerator.sync_gradients:
-                        dp.average_gradients(model)
-                        grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm or math.inf)
+                        grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp)
                         optimizer.step()
                         optimizer.zero_grad(set_to_none=True)
                 aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
@@ -436,12 +348,12 @@ def main(args: TrainArguments) -> dict:
             accelerator.log(metrics, step=done)
         bar.set_postfix(loss=f"{sums[0].item():.3f}", aux=f"{sums[1].item():.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
         if args.checkpointing_steps and done % args.checkpointing_steps == 0:
-            save_checkpoint(accelerator, args, done, sharded)
+            save_checkpoint(accelerator, args, done, record, sharded)
 
     accelerator.wait_for_everyone()
     monitor.remove()
-    if pipe is not None:  # the whole model, on rank 0
-        unwrapped = gather_pipeline(pipe, dp)
+    if dp.mesh is not None:  # the whole model, on rank 0
+        unwrapped = gather_model(model, dp, pipe)
         if accelerator.is_main_process:
             unwrapped.save_pretrained(output_dir)
     else:
@@ -454,7 +366,12 @@ def main(args: TrainArguments) -> dict:
     accelerator.end_training()
     if args.push_to_hub and accelerator.is_main_process:
         push(unwrapped, tokenizer, args)
-    accelerator.print(f"saved to {output_dir.resolve()}")
+    if eval_metrics:
+        accelerator.print(
+            f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
+            f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out blocks, router losses excluded)"
+        )
+    accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
 

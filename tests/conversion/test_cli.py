@@ -1,8 +1,10 @@
 """`hf-ppmoe upcycle|merge|import SRC OUT`: in-process through `main`, and once as a real command."""
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,7 +71,7 @@ def test_import_switch_transformers(tmp_path):
 
 def test_errors_are_reported_not_raised(dense, tmp_path, capsys):
     _, folder = dense("mixtral")
-    assert main(["upcycle", str(folder), str(tmp_path / "out")]) == 1
+    assert main(["upcycle", str(folder), str(tmp_path / "out")]) == 2
     assert "use import_moe" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
@@ -100,3 +102,40 @@ def test_one_command_for_everything(tmp_path, capsys):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-ppmoe megatron: error:") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["demo", "train", "upcycle", "merge", "import", "export"])
+def test_every_command_refuses_an_unknown_flag_in_one_line(command, capsys):
+    args = [] if command in ("demo", "train") else ["src", "out", *(["--to", "mixtral"] if command == "export" else [])]
+    with pytest.raises(SystemExit) as exit:
+        main([command, *args, "--no_such_flag", "1"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"hf-ppmoe {command}: error: unrecognized arguments: --no_such_flag 1"
+    assert "Traceback" not in err and len(err.splitlines()) == 2  # the short usage line, then the error
+
+
+def test_help_matches_behaviour(capsys):
+    """SRC and OUT are positional in help as on the command line; a `--no_X` flag says what it does; no command's
+    help mentions options it does not have."""
+    with pytest.raises(SystemExit):
+        main(["upcycle", "--help"])
+    text = capsys.readouterr().out
+    assert text.startswith("usage: hf-ppmoe upcycle SRC OUT [options]")
+    assert "positional arguments:\n  SRC " in text and "--source" not in text and "--output" not in text
+    no_flag = text[text.index("--no_norm_topk_prob"):].split("\n  --")[0]
+    assert "Turn off --norm_topk_prob (on by default)." in no_flag and "(default:" not in no_flag
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    demo_help = capsys.readouterr().out
+    for advertised in re.findall(r"hf-ppmoe demo (--\w+)", Path(main.__globals__["__file__"]).read_text()):
+        assert advertised in demo_help, f"cli.py's docstring advertises {advertised}, which demo does not take"
+
+
+def test_refusals_exit_2_and_missing_positionals_are_argparse_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(["upcycle", str(tmp_path)])
+    assert exit.value.code == 2 and "the following arguments are required: OUT" in capsys.readouterr().err
+    assert main(["merge", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hf-ppmoe merge: error:") and "Traceback" not in err and not (tmp_path / "out").exists()

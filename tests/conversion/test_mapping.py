@@ -25,7 +25,9 @@ from hf_ppmoe.conversion.mapping import (
 )
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama", "mistral", "qwen2", "mixtral", "t5-v1.0", "t5-v1.1", "switch"])
+@pytest.mark.parametrize(
+    "arch", ["gpt2", "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "t5-v1.0", "t5-v1.1", "switch"]
+)
 def test_table_then_inverse_is_the_identity(arch):
     model = build_dense(arch)
     source = model_tensors(model)

@@ -16,6 +16,7 @@ ROUND_TRIPS = {
     "llama-gshard": ("llama", dict(router_type="gshard")),  # biases, tied head
     "mistral-prototype": ("mistral", dict(router_type="prototype", num_experts_per_tok=4, num_experts=8)),  # x 1/2
     "qwen2-topk-unnormalized": ("qwen2", dict(router_type="topk", norm_topk_prob=False)),  # x 2
+    "qwen3-switch": ("qwen3", dict(router_type="switch")),  # q/k norms, biases on q/k/v/o, window
 }
 
 

@@ -1,5 +1,6 @@
 """dense -> MoE: equal logits and greedy tokens for every source architecture and every built-in gate."""
 
+import copy
 import json
 import warnings
 
@@ -11,7 +12,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from hf_ppmoe import GPTMoEForCausalLM
 from hf_ppmoe.conversion import expert_output_scale, gate_renormalizes, upcycle
 
-ARCHS = ["gpt2", "llama", "mistral", "qwen2"]
+ARCHS = ["gpt2", "llama", "mistral", "qwen2", "qwen3"]
 
 
 @pytest.mark.parametrize("gate", GATES)
@@ -137,8 +138,8 @@ def test_model_object_source_carries_the_given_tokenizer(dense, tmp_path):
 
 def test_dtype_is_kept(dense, tmp_path):
     model, _ = dense("mistral")
-    model.to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
-    model.float()
+    # a copy: the session's model must keep its float32 bits (.to(bfloat16).float() would round them for later tests)
+    copy.deepcopy(model).to(torch.bfloat16).save_pretrained(tmp_path / "bf16")
     out = upcycle(tmp_path / "bf16", num_experts=2, router_type="switch", save_directory=tmp_path / "moe")
     assert {t.dtype for t in read_tensors(out).values()} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"

@@ -37,6 +37,7 @@ DENSE = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_
 MODELS = {
     **{f"gpt_moe-llama-{g}": lambda g=g: GPTMoEForCausalLM(tiny_gpt_config(vocab_size=VOCAB, **GATES[g])) for g in GATES},
     "gpt_moe-gpt2-topk": lambda: GPTMoEForCausalLM(tiny_gpt_config(vocab_size=VOCAB, **GPT2_STYLE)),
+    "gpt_moe-qwen3-topk": lambda: GPTMoEForCausalLM(tiny_gpt_config(vocab_size=VOCAB, qk_norm=True)),  # q/k norms
     "gpt_moe-gpt2-gshard-eager": lambda: GPTMoEForCausalLM._from_config(
         tiny_gpt_config(vocab_size=VOCAB, **GPT2_STYLE, **GATES["gshard"]), attn_implementation="eager"
     ),
@@ -211,10 +212,10 @@ def test_cache_is_only_appended_to():
     ids, mask = padded_batch()
     kw = dict(attention_mask=mask, num_beams=3, max_new_tokens=6, eos_token_id=None)
     with pytest.raises(AssertionError, match="reordered"):  # the check catches ordinary beam search
-        model.generate(ids, past_key_values=AppendOnlyCache(config=model.config), **kw)
+        model.generate(ids, cache=AppendOnlyCache(config=model.config), **kw)
     cache = AppendOnlyCache(config=model.config)
-    out = model.generate(ids, past_key_values=cache, custom_generate=flat_beam_search, return_dict_in_generate=True, **kw)
-    assert out.past_key_values is cache
+    out = model.generate(ids, cache=cache, custom_generate=flat_beam_search, return_dict_in_generate=True, **kw)
+    assert out.cache is cache
     # one row per prompt (not per beam): the prompt once, then 3 slots for each of the 5 decode steps
     assert cache.layers[0].keys.shape[0] == 3 and cache.get_seq_length() == 6 + 3 * 5
     assert torch.equal(out.sequences, model.generate(ids, **kw))
@@ -230,11 +231,11 @@ def test_encoder_decoder_cache_is_only_appended_to():
         return EncoderDecoderCache(AppendOnlyCache(config=model.config), AppendOnlyCache(config=model.config))
 
     with pytest.raises(AssertionError, match="reordered"):  # the check catches ordinary beam search
-        model.generate(ids, past_key_values=new_cache(), **kw)
+        model.generate(ids, cache=new_cache(), **kw)
     cache = new_cache()
-    out = model.generate(ids, past_key_values=cache, custom_generate=flat_beam_search, return_dict_in_generate=True,
+    out = model.generate(ids, cache=cache, custom_generate=flat_beam_search, return_dict_in_generate=True,
                          **kw)
-    assert out.past_key_values is cache
+    assert out.cache is cache
     # one row per prompt: the decoder start token, then 3 slots for each of the 5 decode steps; the encoder's keys once
     self_layer, cross_layer = cache.self_attention_cache.layers[0], cache.cross_attention_cache.layers[0]
     assert self_layer.keys.shape[0] == 3 and cache.get_seq_length() == 1 + 3 * 5
@@ -278,7 +279,7 @@ kw = dict(attention_mask=mask, num_beams=3, max_new_tokens=6, return_dict_in_gen
 model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True).eval()
 out = model.generate(ids, **kw)
 assert torch.equal(out.sequences, expected), "sequences differ"
-assert out.past_key_values.layers[0].keys.shape[0] == ids.shape[0], "not the flat layout: one cache row per beam"
+assert out.cache.layers[0].keys.shape[0] == ids.shape[0], "not the flat layout: one cache row per beam"
 greedy = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)  # other modes as usual
 assert greedy.shape == (ids.shape[0], ids.shape[1] + 3)
 
@@ -288,13 +289,13 @@ llama = LlamaForCausalLM(LlamaConfig(vocab_size=24, hidden_size=16, intermediate
 reference = llama.generate(ids, **kw)
 out = llama.generate(ids, custom_generate=path, trust_remote_code=True, **kw)
 assert torch.equal(out.sequences, reference.sequences)
-assert out.past_key_values.layers[0].keys.shape[0] == ids.shape[0]
+assert out.cache.layers[0].keys.shape[0] == ids.shape[0]
 print("OK")
 """
 
 
 def test_checkpoint_carries_flat_beam_search_for_trust_remote_code(tmp_path):
-    model = MODELS["gpt_moe-llama-topk"]().eval()
+    model = MODELS["gpt_moe-qwen3-topk"]().eval()  # the flattened modeling code with qk_norm, without hf_ppmoe
     model.save_pretrained(tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "custom_generate" / "generate.py").is_file()
     ids, mask = padded_batch()
@@ -303,6 +304,7 @@ def test_checkpoint_carries_flat_beam_search_for_trust_remote_code(tmp_path):
     result = subprocess.run(
         [sys.executable, "-c", CHECKPOINT_USER, str(tmp_path / "ckpt"), str(tmp_path / "inputs.pt")],
         capture_output=True, text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home")},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
+             "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]

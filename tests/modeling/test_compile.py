@@ -21,7 +21,7 @@ GATES = {
 }
 ONE_LAYER = dict(num_hidden_layers=1)  # every layer traces alike; one keeps compile time down
 FAMILIES = {
-    "gpt": lambda **kw: GPTMoEForCausalLM(tiny_gpt_config(**ONE_LAYER, **kw)),
+    "gpt": lambda **kw: GPTMoEForCausalLM(tiny_gpt_config(**ONE_LAYER, qk_norm=True, **kw)),  # Llama + Qwen3's q/k norms
     "gpt2-style": lambda **kw: GPTMoEForCausalLM(tiny_gpt_config(**GPT2_STYLE, **ONE_LAYER, **kw)),
     "seq2seq": lambda **kw: Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config(num_decoder_layers=1, **ONE_LAYER, **kw)),
 }

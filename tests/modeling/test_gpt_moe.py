@@ -37,7 +37,7 @@ def test_generate_with_cache_equals_without(style, gate):
     # and incremental logits equal a full forward
     full = model(with_cache).logits[:, -1]
     out = model(with_cache[:, :-1], use_cache=True)
-    step = model(with_cache[:, -1:], past_key_values=out.past_key_values).logits[:, -1]
+    step = model(with_cache[:, -1:], cache=out.cache).logits[:, -1]
     torch.testing.assert_close(step, full, atol=1e-5, rtol=1e-4)
 
 
@@ -203,7 +203,8 @@ def test_save_load_round_trip_in_a_fresh_process(tmp_path, remote):
         [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")],
         capture_output=True,
         text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home")},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
+             "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "OK 9" in result.stdout
@@ -229,7 +230,8 @@ def test_saved_remote_code_can_be_saved_again(tmp_path):
     )
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True,
-        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home")},
+        env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
+             "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
@@ -301,3 +303,21 @@ def test_active_parameters_equal_the_dense_model_of_equal_active_flops_plus_rout
     assert moe.num_active_parameters() == dense.num_parameters() + routers + shared
     assert moe.num_parameters() - moe.num_active_parameters() == 2 * 2 * 3 * 32 * 48  # 2 idle experts per layer
     assert "num_experts=4, top_k=2" in repr(moe) and "intermediate_size=48" in repr(moe)
+
+
+def test_qk_norm_is_off_by_default_and_normalises_each_head():
+    """qk_norm adds only Qwen3's two [head_dim] norms per layer (default off: existing checkpoints keep their tensors),
+    and they normalise each query / key head: scaling a head's projection rows leaves the logits unchanged (their
+    place before the rotary embedding is checked by the logits equal to Transformers' Qwen3 / Qwen3-MoE in
+    tests/conversion)."""
+    plain, normed = make_model(), make_model(qk_norm=True)
+    extra = set(normed.state_dict()) - set(plain.state_dict())
+    assert extra == {f"model.layers.{i}.self_attn.{x}_norm.weight" for i in range(2) for x in "qk"}
+    assert plain.model.layers[0].self_attn.q_norm is None
+    ids = torch.randint(3, 97, (2, 6))
+    with torch.no_grad():
+        expected = normed(ids).logits
+        attn = normed.model.layers[0].self_attn
+        attn.q_proj.weight[:8] *= 3.0  # head 0 of the queries (head_dim 8)
+        attn.k_proj.weight[8:16] *= 0.5  # head 1 of the keys
+        torch.testing.assert_close(normed(ids).logits, expected, atol=1e-5, rtol=1e-5)

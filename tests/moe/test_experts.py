@@ -154,3 +154,17 @@ def test_index_dispatch_under_bf16_autocast_equals_explicit_bf16(tokens, mlp):
         torch.testing.assert_close(y, expected, atol=2e-2, rtol=2e-2)
     y.float().square().sum().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in layer.experts.parameters())
+
+
+def test_swiglu_written_out_backward_equals_autograd():
+    """The experts' SwiGLU (`_SwiGLU`, a hand-written backward used in eager full precision) against autograd's
+    derivative of silu(gate) * up, and against torch.autograd.gradcheck in float64."""
+    from hf_ppmoe.moe.experts import _SwiGLU
+
+    gate_up = torch.randn(37, 2 * 24, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(37, 24, dtype=torch.float64)
+    (ours,) = torch.autograd.grad(_SwiGLU.apply(gate_up), gate_up, grad)
+    gate, up = gate_up.chunk(2, dim=-1)
+    (reference,) = torch.autograd.grad(torch.nn.functional.silu(gate) * up, gate_up, grad)
+    torch.testing.assert_close(ours, reference, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(_SwiGLU.apply, (gate_up[:5, :8].detach().requires_grad_(),))

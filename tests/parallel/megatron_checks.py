@@ -33,8 +33,9 @@ from helpers import GPT2_STYLE, tiny_gpt_config  # noqa: E402
 
 # every config uses all four MoE-relevant mappings once: gates, biases, positions, norms, tying, dense/MoE mixing
 CONFIGS = {
-    # GQA, SwiGLU, RMSNorm, RoPE, untied, top-2 renormalised, every FFN MoE, aux and z losses
-    "llama": dict(router_aux_loss_coef=0.02, router_z_loss_coef=0.01),
+    # GQA, SwiGLU, RMSNorm, RoPE, Qwen3's per-head q/k norm (qk_layernorm), untied, top-2 renormalised, every FFN MoE,
+    # aux and z losses
+    "llama": dict(qk_norm=True, router_aux_loss_coef=0.02, router_z_loss_coef=0.01),
     # learned positions, LayerNorm, biases everywhere (experts too), tied embeddings, tanh GELU, Switch top-1
     "gpt2": dict(GPT2_STYLE, router_type="switch", num_experts_per_tok=1, router_z_loss_coef=0.01),
     # q/k/v bias only, top-2 without renormalisation, a dense first layer, a shared expert, sliding window
@@ -185,7 +186,8 @@ def run_schedule(model, cfg, batch, forward_step, forward_only):
 
 def finish_grads(model):
     """What megatron-core's finalize_model_grads does for a DDP-wrapped model: sum the gradients of parameters tagged
-    `sequence_parallel` over the TP group, and the tied embedding's over the first and last pipeline stage."""
+    `sequence_parallel` over the TP group (norms; with megatron_cpu's norm the q/k norms of qk_layernorm are tagged too,
+    which finalize_model_grads sums by name), and the tied embedding's over the first and last pipeline stage."""
     from megatron.core import parallel_state as ps
 
     for p in model.parameters():

@@ -41,6 +41,17 @@ def test_transformers_entry_points(two_ranks, way):
         assert result["ppmoe"] == (way != "gpt/transformers_all_reduce_ep")
 
 
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_ppmoe_expert_parallelism_on_transformers_qwen3_moe(two_ranks, norm_topk_prob):
+    """Our registered "ppmoe" EP on a Transformers-native MoE (router outside the experts, no "ppmoe_ffn" layer):
+    the experts sum over the ranks themselves, so loss, gradients and parameters equal one process."""
+    for rank in two_ranks("ppmoe_on_transformers_moe"):
+        result = rank[f"norm_topk_prob={norm_topk_prob}"]
+        assert_steps_match(result["steps"])
+        assert result["params_after"] < ATOL
+        assert result["local_experts"] == [2]
+
+
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_moe_layer_communicates_as_a_dense_ffn(two_ranks, style):
     """PPMoE's claim (Sec. 3.3.4): an MoE layer issues what a tensor-parallel dense FFN issues, one all-reduce of
@@ -53,6 +64,16 @@ def test_moe_layer_communicates_as_a_dense_ffn(two_ranks, style):
     assert result[f"{style}/attention"]["forward"] == result[f"{style}/attention"]["backward"] == one_all_reduce
     assert moe["forward"] == dense["forward"]
     assert sorted(moe["backward"]) == sorted(dense["backward"] + [["all_reduce", E * H * b]])
+
+
+def test_qwen3_attention_sums_only_its_per_head_norm_gradients(two_ranks):
+    """Qwen3's q/k norms normalise this rank's heads with replicated weights: the attention communicates as Llama's
+    plus one all-reduce of each norm's [head_dim] gradient in backward (gradients equal: tp_ep_every_gate, gshard)."""
+    result = two_ranks("communication_per_layer", rank=0)
+    T, H, D, b = (result["sizes"][k] for k in ("T", "H", "head_dim", "bytes_per_element"))
+    attention = result["qwen3/attention"]
+    assert attention["forward"] == [["all_reduce", T * H * b]]
+    assert sorted(attention["backward"]) == sorted([["all_reduce", T * H * b], ["all_reduce", D * b], ["all_reduce", D * b]])
 
 
 def test_encoder_decoder_attention_communicates_as_megatron(two_ranks):

@@ -23,7 +23,7 @@ from hf_ppmoe.conversion.megatron import (
 )
 
 CONFIGS = {
-    "llama": dict(),
+    "llama": dict(qk_norm=True),  # Qwen3's per-head q/k norms: q_layernorm / k_layernorm, replicated over TP ranks
     "gpt2": dict(GPT2_STYLE, router_type="switch", num_experts_per_tok=1),
     "qwen": dict(
         attention_bias=True, attention_output_bias=False, moe_layer_frequency=2, shared_expert_intermediate_size=32

@@ -13,7 +13,12 @@ from accelerate.utils import MegatronLMPlugin
 from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.parallel.megatron import megatron_batch, megatron_incompatibilities, transformer_config_kwargs
+from hf_ppmoe.parallel.megatron import (
+    megatron_batch,
+    megatron_incompatibilities,
+    megatron_lm_args,
+    transformer_config_kwargs,
+)
 
 
 def test_accelerate_finds_our_parser_and_sets_the_ppmoe_layout():
@@ -68,6 +73,7 @@ def test_parser_refuses_context_parallelism_and_seq2seq():
         ),
         (dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}), "rope_parameters"),
         (dict(hidden_act="tanh"), "hidden_act='tanh'"),
+        (dict(qk_norm=True, norm_type="layernorm"), "qk_norm=True with norm_type='layernorm'"),
     ],
 )
 def test_what_megatron_cannot_express_is_refused(overrides, field):
@@ -89,6 +95,9 @@ def test_router_mapping():
         and switch["moe_router_pre_softmax"]
     )
     assert transformer_config_kwargs(tiny_gpt_config(sliding_window=4))["window_size"] == (3, 0)
+    qk_norm = tiny_gpt_config(qk_norm=True)  # Qwen3's per-head q/k RMSNorm
+    assert transformer_config_kwargs(qk_norm)["qk_layernorm"] and megatron_lm_args(qk_norm)["qk_layernorm"]
+    assert not transformer_config_kwargs(tiny_gpt_config())["qk_layernorm"]
     dense = transformer_config_kwargs(tiny_gpt_config(moe_layers=[]))
     assert not any(key.startswith(("moe_", "num_moe", "expert_")) for key in dense)
 

@@ -21,7 +21,7 @@ def test_two_stages_equal_single_process(two_ranks, case):
         assert_matches(rank[case])
 
 
-@pytest.mark.parametrize("case", ["gpipe/llama", "1f1b/gpt2", "1f1b/seq2seq"])
+@pytest.mark.parametrize("case", ["gpipe/qwen3", "1f1b/gpt2", "1f1b/seq2seq"])
 def test_tp_times_pp_equals_single_process(four_ranks, case):
     for rank in four_ranks("tp_times_pp"):
         assert_matches(rank[case])
@@ -38,6 +38,23 @@ def test_encoder_decoder_on_four_stages_equals_single_process(four_ranks):
             "encoder.relative_attention_bias": [0, 1],
             "decoder.relative_attention_bias": [1, 2, 3],
         }
+
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_transformers_pipeline_parallelism_runs_gpt_moe(two_ranks, style):
+    """from_pretrained(distributed_config=DistributedConfig(pp_size=2)): each rank runs its half of the layers;
+    logits and greedy generation (left padding, KV cache) equal one process, learned positions added once."""
+    for r, rank in enumerate(two_ranks("transformers_pipeline")):
+        result = rank[style]
+        assert result["layers_here"] == [[0, 1], [2, 3]][r]
+        assert result["logits"] < 1e-6
+        assert result["generate_equal"]
+
+
+def test_transformers_pipeline_parallelism_refusals(two_ranks):
+    result = two_ranks("transformers_pipeline", rank=1)  # the second stage, which would wait for activations
+    assert "runs inference only" in result["training"] and "hf_ppmoe.parallel.Pipeline" in result["training"]
+    assert "Seq2SeqMoEForConditionalGeneration has an encoder and a decoder" in result["seq2seq"]
 
 
 def test_split_layers():

@@ -9,6 +9,7 @@ collective counts, error messages); each rank writes them to OUT_DIR/rank{r}.jso
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -22,16 +23,19 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))  # the Trainer check runs the example's code
 from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config  # noqa: E402
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration  # noqa: E402
+from hf_ppmoe.modeling.common import router_loss_weight  # noqa: E402
 from hf_ppmoe.parallel import Pipeline, count_collectives, init_distributed, make_mesh, parallelize  # noqa: E402
 
 JOBS: dict[str, list] = {"two": [], "four": []}
 LLAMA = {}
-# the gates of the proof: capacity-limited, random routing, jitter, groups, padding; alternate the two dense styles
+QWEN3 = dict(qk_norm=True)  # Llama's layout plus per-head q/k norms: replicated weights with partial gradients under TP
+# the gates of the proof: capacity-limited, random routing, jitter, groups, padding; alternate the dense styles
 GATES = {
-    "gshard_random_capacity": dict(router_type="gshard", capacity_factor=1.0, router_num_groups=2, **LLAMA),
+    "gshard_random_capacity": dict(router_type="gshard", capacity_factor=1.0, router_num_groups=2, **QWEN3),
     "switch_jitter_capacity": dict(
         router_type="switch", num_experts_per_tok=1, capacity_factor=1.0, router_jitter_noise=0.1, **GPT2_STYLE
     ),
@@ -260,11 +264,11 @@ def communication_per_layer():
     """Collectives and bytes of one layer's forward and backward, per module: attention, dense FFN, MoE layer."""
     results = {}
     T, H = 2 * 8, 32
-    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
+    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE, "qwen3": QWEN3}.items():
         model = parallelize(build(moe_layer_frequency=2, **style), dist.group.WORLD)
         dense, moe = model.model.layers[0], model.model.layers[1]
         x = torch.randn(2, 8, H, requires_grad=True)
-        positions = model.model.rotary_emb(x, torch.arange(8)[None]) if style_name == "llama" else None
+        positions = model.model.rotary_emb(x, torch.arange(8)[None]) if style_name != "gpt2" else None
         runs = {
             "attention": lambda: dense.self_attn(x, position_embeddings=positions, attention_mask=None)[0],
             "dense_ffn": lambda: dense.mlp(x),
@@ -285,7 +289,7 @@ def communication_per_layer():
     }
     for name, run in runs.items():
         results[f"seq2seq/{name}"] = collectives_of(run)
-    results["sizes"] = {"T": T, "S": 2 * 12, "H": H, "E": 4, "bytes_per_element": 4}
+    results["sizes"] = {"T": T, "S": 2 * 12, "H": H, "E": 4, "head_dim": 8, "bytes_per_element": 4}
     return results
 
 
@@ -298,6 +302,182 @@ def pipeline_two_stages():
             results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, dist.group.WORLD, None)
         # encoder | decoder: the encoder output alone crosses, the second stage starts the decoder
         results[f"{schedule}/seq2seq"] = run_pipeline(schedule, SEQ2SEQ_PIPELINE, dist.group.WORLD, None)
+    return results
+
+
+@job("two")
+def ppmoe_on_transformers_moe():
+    """DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe") on Transformers' own Qwen3-MoE (its router
+    outside the experts; normalised top-k weights or not) = one process through two optimizer steps."""
+    from transformers import DistributedConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    results = {}
+    for norm_topk_prob in (True, False):
+        config = Qwen3MoeConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+            norm_topk_prob=norm_topk_prob, output_router_logits=True, router_aux_loss_coef=0.1, pad_token_id=0,
+        )
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"qwen3_moe_{norm_topk_prob}")
+        if dist.get_rank() == 0:
+            torch.manual_seed(0)
+            Qwen3MoeForCausalLM(config).save_pretrained(path)
+        dist.barrier()
+        ep = DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+        model = Qwen3MoeForCausalLM.from_pretrained(path, distributed_config=ep).train()
+        ref = Qwen3MoeForCausalLM.from_pretrained(path).train()
+        experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+        results[f"norm_topk_prob={norm_topk_prob}"] = {
+            "steps": train_pair(model, ref, lm_step),
+            "params_after": max_diff(model, ref, what="param"),
+            "local_experts": sorted({e.num_experts for e in experts}),
+        }
+    return results
+
+
+@job("two")
+def transformers_pipeline():
+    """GPT-MoE under Transformers' own pipeline parallelism (from_pretrained(distributed_config=DistributedConfig(
+    pp_size=2))), Llama and GPT-2 style: logits and greedy generation (left padding, KV cache) = one process; a
+    training forward and an encoder-decoder are refused."""
+    from transformers import DistributedConfig
+
+    results, pp = {}, DistributedConfig(pp_size=2)
+    ids, mask, _ = batch(size=3, length=7)
+    mask[-1, -4:] = 1  # generation pads on the left only
+    for style_name, style in {"llama": LLAMA, "gpt2": GPT2_STYLE}.items():
+        settings = dict(num_hidden_layers=4, moe_layer_frequency=2, **style)
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"pp_{style_name}")
+        save_checkpoint(settings, path)
+        model = GPTMoEForCausalLM.from_pretrained(path, distributed_config=pp)
+        ref = GPTMoEForCausalLM.from_pretrained(path)
+        with torch.no_grad():
+            logits = (model(input_ids=ids, attention_mask=mask).logits - ref(input_ids=ids, attention_mask=mask).logits)
+        kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+        results[style_name] = {
+            "logits": logits.abs().max().item(),
+            "generate_equal": torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw)),
+            "layers_here": [i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn")],
+        }
+    try:
+        model.train()(input_ids=ids, labels=ids)
+    except RuntimeError as e:
+        results["training"] = str(e)
+    path = os.path.join(os.environ["PARALLEL_TEST_DIR"], "pp_seq2seq")
+    save_checkpoint({}, path, seq2seq=True)
+    try:
+        Seq2SeqMoEForConditionalGeneration.from_pretrained(path, distributed_config=pp)
+    except ValueError as e:
+        results["seq2seq"] = str(e)
+    return results
+
+
+@contextlib.contextmanager
+def accelerate_session():
+    """Accelerate keeps process-wide state (its AcceleratorState, environment variables it sets, Transformers'
+    DeepSpeed config): every check that uses it starts and leaves it clean."""
+    from accelerate.state import AcceleratorState
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    environment = dict(os.environ)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        AcceleratorState._reset_state(reset_partial_state=True)
+        os.environ.clear()
+        os.environ.update(environment)
+
+
+@job("two")
+def trainer_distributed_config():
+    """Transformers' Trainer on models sharded at load time by DistributedConfig (examples/trainer_distributed.py):
+    FSDP2 with all-to-all expert parallelism over the FSDP ranks and gradient accumulation (GPT-MoE), FSDP2
+    (Seq2Seq-MoE) = one process; a tensor-parallel layout is refused by Accelerate on CPU."""
+    from transformers import DistributedConfig, Trainer, TrainingArguments
+    from trainer_distributed import compare
+
+    runs = {
+        "gpt/fsdp2_ep2_all_to_all": ("gpt", dict(fsdp_size=2, ep_size=2, ep_implementation="all_to_all"), 2),
+        "seq2seq/fsdp2": ("seq2seq", dict(fsdp_size=2), 1),
+    }
+    results = {}
+    for name, (family, layout, accumulation) in runs.items():
+        output_dir = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"trainer_{family}")
+        with accelerate_session():
+            results[name] = compare(
+                family, DistributedConfig(**layout), accumulation=accumulation, output_dir=output_dir
+            )
+    with accelerate_session():
+        model = GPTMoEForCausalLM.from_pretrained(
+            os.path.join(os.environ["PARALLEL_TEST_DIR"], "trainer_gpt", "initial_gpt"),
+            distributed_config=DistributedConfig(tp_size=2),
+        )
+        args = TrainingArguments(output_dir=os.environ["PARALLEL_TEST_DIR"], report_to=[], use_cpu=True)
+        try:
+            Trainer(model=model, args=args)
+        except ValueError as e:
+            results["tp_on_cpu"] = str(e)
+    return results
+
+
+@job("two")
+def deepspeed_zero3():
+    """DeepSpeed ZeRO-3 through Accelerate (gloo, CPU), plain loop, each rank on its half of every batch = one process
+    accumulating both halves, through three AdamW steps with clipping: GPT-MoE loaded under ZeRO-3's partitioned
+    init (`from_pretrained` while the DeepSpeed config is active, as the Trainer does), Seq2Seq-MoE built in memory."""
+    try:
+        import deepspeed
+    except ImportError:
+        return {"skipped": "deepspeed is not installed (pip install deepspeed, or the test extra)"}
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
+
+    # the CPU backend's shared-memory collectives are a C++ extension compiled on first use (minutes on 2 cores)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    rank, results = dist.get_rank(), {}
+    for family, settings in [("gpt", GATES["topk_capacity_shared"]), ("seq2seq", SEQ2SEQ_GATES["prototype_capacity"])]:
+        seq2seq = family == "seq2seq"
+        ref = build(seq2seq=seq2seq, **settings)
+        path = os.path.join(os.environ["PARALLEL_TEST_DIR"], f"zero3_{family}")
+        save_checkpoint(settings, path, seq2seq)
+        with accelerate_session():
+            zero3 = {"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0,
+                     "train_micro_batch_size_per_gpu": 2, "train_batch_size": 2 * dist.get_world_size()}
+            # backend: Accelerate counts the processes of a CPU DeepSpeed job only when it is named
+            accelerator = Accelerator(
+                deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=zero3),
+                kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")],
+            )
+            model = build(seq2seq=True, **settings) if seq2seq else GPTMoEForCausalLM.from_pretrained(path).train()
+            numel_at_load = sum(p.numel() for p in model.parameters())
+            model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+            ref_optimizer = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+            steps = []
+            for step in range(3):
+                halves = [tuple(t[i : i + 2] for t in batch(seed=step + 1, seq2seq=seq2seq)) for i in (0, 2)]
+                ref_losses = []
+                for ids, mask, labels in halves:
+                    loss = ref(input_ids=ids, attention_mask=mask, labels=labels).loss
+                    (loss / 2).backward()
+                    ref_losses.append(loss.item())
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+                ref_optimizer.step()
+                ref_optimizer.zero_grad()
+                ids, mask, labels = halves[rank]
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+                accelerator.backward(loss)
+                optimizer.step()
+                optimizer.zero_grad()
+                steps.append({"loss": loss.item(), "ref_loss": ref_losses[rank]})
+            inner = accelerator.unwrap_model(model)
+            with deepspeed.zero.GatheredParameters(list(inner.parameters())):
+                params_after = max_diff(inner, ref, what="param")
+            results[family] = {
+                "steps": steps, "params_after": params_after, "processes": accelerator.num_processes,
+                "numel_at_load": numel_at_load,
+            }
     return results
 
 
@@ -398,7 +578,9 @@ def accumulate(ref, ids, mask, labels, microbatches):
         out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
         config = ref.config
         router = config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss
-        loss = out.loss - router + router / microbatches
+        # the model weighs its router losses by the chunk's share of the label tokens; the pipeline takes their mean
+        share = router_loss_weight(chunk[2] if config.is_encoder_decoder else chunk[2][:, 1:], num_tokens)
+        loss = out.loss - share * router + router / microbatches
         loss.backward()
         total += loss.item()
     return total
@@ -409,10 +591,11 @@ def accumulate(ref, ids, mask, labels, microbatches):
 
 @job("four")
 def tp_times_pp():
-    """TP=2 x PP=2 on a (pp, tp) mesh, both schedules: loss and gradients = single-process accumulation."""
+    """TP=2 x PP=2 on a (pp, tp) mesh, both schedules: loss and gradients = single-process accumulation (q/k norm
+    gradients, partial per TP rank, summed per microbatch: accumulation must not sum them twice)."""
     mesh = make_mesh(pp=2, tp=2, timeout=timedelta(seconds=60))
     results = {}
-    for schedule, (style_name, style) in [("gpipe", ("llama", LLAMA)), ("1f1b", ("gpt2", GPT2_STYLE))]:
+    for schedule, (style_name, style) in [("gpipe", ("qwen3", QWEN3)), ("1f1b", ("gpt2", GPT2_STYLE))]:
         results[f"{schedule}/{style_name}"] = run_pipeline(schedule, style, mesh["pp"], mesh["tp"])
     results["1f1b/seq2seq"] = run_pipeline("1f1b", SEQ2SEQ_PIPELINE, mesh["pp"], mesh["tp"])
     return results
@@ -423,6 +606,20 @@ def seq2seq_four_stages():
     """PP=4 over a 3 + 3 layer encoder-decoder: [enc 0-1] -> [enc 2, dec 0] -> [dec 1] -> [dec 2, head]: encoder
     hidden states, then (decoder hidden, encoder output) cross stages; the third stage passes the encoder output on."""
     return {"gpipe": run_pipeline("gpipe", SEQ2SEQ_PIPELINE, dist.group.WORLD, None, layers=3)}
+
+
+@job("four")
+def sharded_memory():
+    """Bytes of parameters, gradients and AdamW state per rank after one step, for the training entry point's layouts
+    (benchmarks/memory.py's measurement, on a small model): the whole model's (1 process) and each layout's per rank."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.memory import measure
+
+    config = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                  num_experts=4, num_experts_per_tok=2, moe_layer_frequency=2)
+    layouts = {"whole": {}, "fsdp4": dict(fsdp=4), "replicas2_fsdp2": dict(fsdp=2), "fsdp2_tp2": dict(fsdp=2, tp=2),
+               "fsdp2_pp2": dict(fsdp=2, pp=2), "fsdp4_ep4": dict(fsdp=4, ep=4), "tp2_pp2": dict(tp=2, pp=2)}
+    return {name: measure(layout, config) for name, layout in layouts.items()}
 
 
 def main(job_name: str, out_dir: str) -> None:

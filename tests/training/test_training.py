@@ -1,11 +1,14 @@
-"""`hf_ppmoe.training`: data parallel, tensor parallel, pipeline parallel and their combinations == one process, kill +
-resume == uninterrupted (also tensor and pipeline parallel), logs/plots, argument errors."""
+"""`hf_ppmoe.training`: data parallel, tensor parallel, pipeline parallel, sharded data parallel (FSDP2, HSDP), expert
+parallelism wider than the TP group and their combinations == one process, kill + resume == uninterrupted (also tensor,
+pipeline and sharded data parallel), logs/plots, argument errors."""
 
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,11 +27,11 @@ RUNS = Path(__file__).with_name("runs.py")
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    """A small text file (a slice of the built-in corpus) and tiny GPT-MoE configs with 1 and 2 router groups, with
-    a separate head or one tied to the embeddings."""
+    """A small text file (a slice of the built-in corpus) and tiny GPT-MoE configs with 1, 2 and 4 router groups,
+    with a separate head or one tied to the embeddings."""
     root = tmp_path_factory.mktemp("data")
     (root / "train.txt").write_text("\n\n".join(builtin_corpus()[:12]))
-    for groups in (1, 2):
+    for groups in (1, 2, 4):
         for tied in (False, True):
             GPTMoEConfig(
                 vocab_size=2048, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -43,6 +46,7 @@ def flags(corpus, out, steps=4, **extra):
         train_file=str(corpus / "train.txt"), config_name=str(corpus / "config_g1.json"), output_dir=str(out),
         max_steps=steps, per_device_train_batch_size=8, block_size=32, eval_steps=2, eval_batches=2,
         learning_rate=3e-3, warmup_steps=1, plots=False,
+        max_grad_norm=0.5,  # below these runs' gradient norms (0.58-0.65): every step is clipped by the global norm
         # Adam turns float noise on near-zero gradients into full +-lr steps; a larger epsilon keeps runs that
         # compute the same gradients in different orders (1 vs 2 processes) on the same trajectory
         adam_epsilon=1e-4,
@@ -56,11 +60,42 @@ def run_cli(argv, timeout=600):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+
+
 def launch(nprocs, *runs):
     """`runs` (lists of flags) one after the other in one torchrun launch of `nprocs` processes."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
-    result = subprocess.run([*command, str(RUNS), json.dumps(runs)], env=ENV, capture_output=True, text=True, timeout=900)
+    command = [*TORCHRUN, f"--nproc-per-node={nprocs}", str(RUNS), json.dumps(runs)]
+    result = subprocess.run(command, env=ENV, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def launch_and_kill(nprocs, argv, stop_step, log_dir):
+    """A torchrun job of one run whose rank 0 stops once it has logged step `stop_step` (runs.py): when that line is in
+    the log, the whole job (torchrun and its workers) is SIGKILLed, so nothing gets to clean up or save. Returns the
+    job's exit status."""
+    env = {**ENV, "HF_PPMOE_TEST_STALL_AFTER_STEP": str(stop_step)}
+    command = [*TORCHRUN, f"--nproc-per-node={nprocs}", str(RUNS), json.dumps([argv])]
+    log = Path(next(a.split("=", 1)[1] for a in argv if a.startswith("--output_dir=")), "logs", "metrics.jsonl")
+
+    def logged():
+        try:
+            return any(r.get("step") == stop_step and "train/lm_loss" in r for r in read_jsonl(log))
+        except (OSError, ValueError):  # not written yet, or a line being written
+            return False
+
+    with open(log_dir / "killed_job.log", "w") as output:
+        job = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        deadline = time.monotonic() + 600
+        try:
+            while not logged():
+                assert job.poll() is None, (log_dir / "killed_job.log").read_text()[-4000:]
+                assert time.monotonic() < deadline, "the job never logged the step to kill it after"
+                time.sleep(0.5)
+        finally:
+            os.killpg(job.pid, signal.SIGKILL)  # torchrun and every worker: the job's own process group
+            job.wait()
+    return job.returncode
 
 
 def metrics(out, key="train/lm_loss"):
@@ -115,18 +150,38 @@ def reference_tied_two_groups(corpus, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def reference_tied_four_groups(corpus, tmp_path_factory):
+    """One process computing its router losses over 4 groups of 2 sequences (4 data-parallel processes of 2
+    sequences, or 2 of 2 microbatches of 2), with the head tied to the embeddings."""
+    out = tmp_path_factory.mktemp("reference_g4_tied")
+    main(_args(corpus, out, config_name=str(corpus / "config_g4_tied.json"), max_steps=3))
+    return out
+
+
 # --pp_size 2 with 2 microbatches of 4 sequences: each microbatch computes its router losses on its own tokens, as
 # one router group of a single process's 8 sequences (router_num_groups=2) does
 PIPELINE = dict(steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2, pp_size=2)
+# --fsdp_size 2 on 2 processes: 2 x 4 sequences, as data parallel
+FSDP = dict(steps=3, per_device_train_batch_size=4, fsdp_size=2)
 
 
 @pytest.fixture(scope="module")
 def two_processes(corpus, tmp_path_factory):
-    """One launch of 2 processes: data parallel (2 x 4 sequences), data parallel evaluating one batch (fewer than the
-    replicas), tensor parallel (--tp_size 2, 8 sequences, with
-    checkpoints), tensor parallel resumed from that run's step-4 checkpoint, pipeline parallel (--pp_size 2, tied
-    head, with checkpoints) and pipeline parallel resumed from its step-2 checkpoint."""
+    """A 2-process FSDP job (checkpoints every step) SIGKILLed after it logged step 2 (its step-2 checkpoint never
+    finished), then one launch of 2 processes: data parallel (2 x 4 sequences), data parallel evaluating one batch
+    (fewer than the replicas), tensor parallel (--tp_size 2, 8 sequences, with checkpoints), tensor parallel resumed
+    from that run's step-4 checkpoint, pipeline parallel (--pp_size 2, tied head, with checkpoints), pipeline parallel
+    resumed from its step-2 checkpoint, FSDP (--fsdp_size 2, evaluating one batch) and the killed FSDP run resumed
+    with --resume latest."""
     root = tmp_path_factory.mktemp("two_processes")
+    killed = flags(corpus, root / "fsdp_killed", checkpointing_steps=1, **FSDP)
+    status = launch_and_kill(2, killed, stop_step=2, log_dir=root)
+    (root / "killed_status.json").write_text(json.dumps({
+        "status": status, "logged": sorted(train_losses(root / "fsdp_killed")),
+        "model_written": (root / "fsdp_killed" / "model.safetensors").exists(),
+        "checkpoints": sorted(p.name for p in (root / "fsdp_killed" / "checkpoints").iterdir()),
+    }))
     tp_checkpoint = root / "tp" / "checkpoints" / "step_4"
     tied = str(corpus / "config_g1_tied.json")
     launch(
@@ -137,6 +192,8 @@ def two_processes(corpus, tmp_path_factory):
         flags(corpus, root / "tp_resumed", steps=6, checkpointing_steps=2, tp_size=2, resume=tp_checkpoint),
         flags(corpus, root / "pp", config_name=tied, checkpointing_steps=2, **PIPELINE),
         flags(corpus, root / "pp_resumed", config_name=tied, resume=root / "pp" / "checkpoints" / "step_2", **PIPELINE),
+        flags(corpus, root / "fsdp", eval_batches=1, **FSDP),
+        [*killed, "--resume=latest"],
     )
     return root
 
@@ -205,18 +262,75 @@ def test_pipeline_resume_equals_uninterrupted(two_processes, reference_tied_two_
     assert_same_model(two_processes / "pp_resumed", reference_tied_two_groups)
 
 
-def test_four_processes_equal_one_process(corpus, reference_two_groups, tmp_path):
-    """4 processes, one launch: --tp_size 2 (two tensor-parallel replicas of 4 sequences each) and --pp_size 2
-    --tp_size 2 (one replica, 2 microbatches of 4 sequences, each stage split over 2 processes) == 1 process x 8
-    sequences."""
+def test_fsdp_equals_one_process(two_processes, reference_two_groups, corpus):
+    """--fsdp_size 2 (parameters, gradients and AdamW state sharded over the 2 processes): losses, router losses and
+    metrics, gradient norms and the saved model equal the single process's; its evaluation of one batch (the other
+    process runs the forward too, FSDP's all-gathers need both, and does not count it) is that batch's loss."""
+    run = two_processes / "fsdp"
+    assert min(metrics(run, "train/grad_norm").values()) > 0.5  # every step clipped (--max_grad_norm 0.5)
+    assert_same_run(reference_two_groups, run, steps=[1, 2, 3], extra=(("expert_load_cv/layers.1", 1e-4),))
+    assert_same_model(run, reference_two_groups)
+    assert metrics(run, "eval/loss")[3] == pytest.approx(eval_loss(run, corpus, batch_size=4, batches=1), rel=1e-5)
+
+
+def test_killed_fsdp_job_resumes_exactly(two_processes):
+    """The whole torchrun job SIGKILLed after step 2 (checkpoint 1 complete, checkpoint 2 under way): --resume latest
+    continues from step 1 and gives the uninterrupted run's losses and final model, each step logged once."""
+    killed = json.loads((two_processes / "killed_status.json").read_text())
+    assert killed["status"] == -signal.SIGKILL and killed["logged"] == [1, 2] and not killed["model_written"]
+    assert "step_1" in killed["checkpoints"] and "step_2" not in killed["checkpoints"]
+    run, uninterrupted = two_processes / "fsdp_killed", two_processes / "fsdp"
+    assert [r["step"] for r in read_jsonl(run / "logs" / "metrics.jsonl") if "train/lm_loss" in r] == [1, 2, 3]
+    assert_same_run(uninterrupted, run, steps=[2, 3], extra=(("train/lm_loss", 1e-6),))
+    assert_same_model(run, uninterrupted)
+
+
+@pytest.fixture(scope="module")
+def four_processes(corpus, tmp_path_factory):
+    """4 processes, one launch: --tp_size 2 (two tensor-parallel replicas of 4 sequences each), --pp_size 2 --tp_size 2
+    (one replica, 2 microbatches of 4 sequences, each stage split over 2 processes), --fsdp_size 2 with 2 replicas
+    (HSDP, 4 x 2 sequences), --fsdp_size 2 --tp_size 2 (2 x 4), --fsdp_size 2 --pp_size 2 (2 replicas of 2
+    microbatches of 2, tied head), --fsdp_size 4 --ep_size 2 (experts over pairs of FSDP ranks, 2 copies sharded),
+    --fsdp_size 2 --tp_size 2 --ep_size 4 (experts over both tensor-parallel groups) and --fsdp_size 2 --pp_size 2
+    --ep_size 2 (the second stage's experts over its 2 FSDP ranks)."""
+    root, tied = tmp_path_factory.mktemp("four_processes"), str(corpus / "config_g1_tied.json")
     launch(
         4,
-        flags(corpus, tmp_path / "dp_tp", steps=3, per_device_train_batch_size=4, tp_size=2),
-        flags(corpus, tmp_path / "pp_tp", tp_size=2, **PIPELINE),
+        flags(corpus, root / "dp_tp", steps=3, per_device_train_batch_size=4, tp_size=2),
+        flags(corpus, root / "pp_tp", tp_size=2, **PIPELINE),
+        flags(corpus, root / "hsdp", config_name=tied, steps=3, per_device_train_batch_size=2, fsdp_size=2),
+        flags(corpus, root / "fsdp_tp", tp_size=2, **FSDP),
+        flags(corpus, root / "fsdp_pp", config_name=tied, fsdp_size=2,
+              **{**PIPELINE, "per_device_train_batch_size": 2}),
+        flags(corpus, root / "fsdp_ep", config_name=tied, steps=3, per_device_train_batch_size=2, fsdp_size=4, ep_size=2),
+        flags(corpus, root / "fsdp_tp_ep", tp_size=2, ep_size=4, **FSDP),
+        flags(corpus, root / "fsdp_pp_ep", config_name=tied, fsdp_size=2, ep_size=2,
+              **{**PIPELINE, "per_device_train_batch_size": 2}),
     )
-    assert_same_run(reference_two_groups, tmp_path / "dp_tp", steps=[1, 2, 3])
-    assert_same_run(reference_two_groups, tmp_path / "pp_tp", steps=[1, 2, 3])
-    assert_same_model(tmp_path / "pp_tp", reference_two_groups)
+    return root
+
+
+def test_four_processes_equal_one_process(four_processes, reference_two_groups):
+    """--tp_size 2 with 2 replicas and --pp_size 2 --tp_size 2 == 1 process x 8 sequences."""
+    assert_same_run(reference_two_groups, four_processes / "dp_tp", steps=[1, 2, 3])
+    assert_same_run(reference_two_groups, four_processes / "pp_tp", steps=[1, 2, 3])
+    assert_same_model(four_processes / "pp_tp", reference_two_groups)
+
+
+@pytest.mark.parametrize(
+    "run, reference",
+    [("hsdp", "tied_four_groups"), ("fsdp_tp", "two_groups"), ("fsdp_pp", "tied_four_groups"),
+     ("fsdp_ep", "tied_four_groups"), ("fsdp_tp_ep", "two_groups"), ("fsdp_pp_ep", "tied_four_groups")],
+)
+def test_sharded_layouts_equal_one_process(four_processes, run, reference, request):
+    """DP x FSDP, FSDP x TP (PPMoE experts on the TP group), FSDP x PP (a tied head both stages hold, counted once in
+    the norm) and expert parallelism wider than the TP group (also in a pipeline): losses, router losses and metrics, gradient norms and
+    the saved model equal the single process's on the same rows (its router groups = the data-parallel processes'
+    or microbatches' batches)."""
+    reference = request.getfixturevalue(f"reference_{reference}")
+    extra = (("train/z_loss", 1e-4), ("expert_load_cv/layers.1", 1e-4), ("dropped_fraction/layers.1", 1e-6))
+    assert_same_run(reference, four_processes / run, steps=[1, 2, 3], extra=extra)
+    assert_same_model(four_processes / run, reference)
 
 
 # Runs the training CLI and SIGKILLs the process right after it has logged step 5, so the kill lands at the same
@@ -302,8 +416,13 @@ def test_jsonl_and_datasets_sources(tmp_path):
         (dict(resume="/no/checkpoint"), "no such checkpoint folder"),
         (dict(config_name="/no/config.json"), "does not exist"),
         (dict(pp_size=0), "--pp_size must be >= 1"),
-        (dict(tp_size=2, mixed_precision="fp16"), "fp16 with --tp_size > 1"),
-        (dict(pp_size=2, mixed_precision="fp16"), "fp16 with --tp_size > 1 or --pp_size > 1"),
+        (dict(tp_size=2, mixed_precision="fp16"), "fp16 with --tp_size, --pp_size or --fsdp_size > 1"),
+        (dict(pp_size=2, mixed_precision="fp16"), "fp16 with --tp_size, --pp_size or --fsdp_size > 1"),
+        (dict(fsdp_size=2, mixed_precision="fp16"), "fp16 with --tp_size, --pp_size or --fsdp_size > 1"),
+        (dict(fsdp_size=0), "--fsdp_size must be >= 1"),
+        (dict(ep_size=4, fsdp_size=1), r"--ep_size 4 with --tp_size 1 --fsdp_size 1: .* Use --ep_size in \[1\]"),
+        (dict(ep_size=3, tp_size=2, fsdp_size=2), r"Use --ep_size in \[2, 4\]"),
+        (dict(ep_size=1, tp_size=2, fsdp_size=2), r"Use --ep_size in \[2, 4\]"),
     ],
 )
 def test_argument_errors_before_any_work(kwargs, message):
@@ -333,6 +452,12 @@ def test_errors_that_need_the_model_config(monkeypatch):
         DataParallel(SimpleNamespace(process_index=0, num_processes=3), tp_size=2)
     with pytest.raises(ValueError, match="--pp_size 2 with --tp_size 2 needs a multiple of 4 processes; this job has 6"):
         DataParallel(SimpleNamespace(process_index=0, num_processes=6), tp_size=2, pp_size=2)
+    with pytest.raises(ValueError, match="--fsdp_size 4 with --tp_size 2 needs a multiple of 8 processes; this job has 4"):
+        DataParallel(SimpleNamespace(process_index=0, num_processes=4), tp_size=2, fsdp_size=4)
+    with pytest.raises(ValueError, match="--ep_size 8 does not divide num_experts=6"):
+        TrainArguments(ep_size=8, fsdp_size=8).check_model(GPTMoEConfig(num_experts=6))
+    with pytest.raises(ValueError, match="--ep_size 2 splits experts; this gpt2 model has none"):
+        TrainArguments(ep_size=2, fsdp_size=2).check_model(GPT2Config())
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="--push_to_hub was given but HF_HUB_OFFLINE is set"):
         TrainArguments(push_to_hub=True).validate()
@@ -357,6 +482,8 @@ def test_bf16_mixed_precision_trains(corpus, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses, evals = metrics(tmp_path), metrics(tmp_path, "eval/loss")
     assert set(losses) == {1, 2} and all(math.isfinite(v) for v in [*losses.values(), *evals.values()]) and evals
+    # the run ends by printing its final evaluation (the LM loss alone, as logged)
+    assert f"step 2: eval loss {evals[2]:.4f}, perplexity {math.exp(evals[2]):.2f}" in result.stdout, result.stdout[-500:]
 
 
 def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(corpus, tmp_path):

@@ -1,0 +1,151 @@
+"""Sharded data parallelism (FSDP2, HSDP) for our models and pipeline stages, and experts spread across data-parallel
+ranks (expert parallelism wider than the tensor-parallel group).
+
+Engine: torch's FSDP2 `fully_shard`, applied to a built model from outside like the rest of hf_ppmoe.parallel.
+It shards every parameter on dim 0 as a DTensor, all-gathers a layer's parameters before its forward (and again
+for its backward), frees them after, and reduce-scatters the gradients, so parameters, gradients and Adam state
+per rank are 1 / fsdp of what each replica would hold. Why this engine and not the other two the stack offers:
+
+- It composes with what we already build: with the tensor-parallel DTensors `parallelize` makes (one root mesh, the
+  placements nest: `(_StridedShard(0), Shard(0))`), with PPMoE (plain autograd collectives on the TP group, which
+  FSDP does not see), with Transformers' all-to-all expert parallelism (experts sharded over their own ranks), and
+  with `torch.distributed.pipelining`, whose stages know FSDP modules (gradient sync on the last microbatch only).
+  Checkpoints are DTensor state dicts for torch.distributed.checkpoint, like the tensor-parallel ones before.
+- Transformers' `DistributedConfig(fsdp_size=...)` applies the same `fully_shard`, but owns the mesh and the model
+  build (`from_pretrained`), refuses FSDP with pipeline parallelism, and does not know our `Pipeline` stages.
+- Accelerate's FSDP2 plugin wraps the model inside `accelerator.prepare`, and Accelerate refuses a tensor-parallel
+  `ParallelismConfig` on CPU processes; our split model stays outside `prepare` (train.py says why).
+
+`fully_shard_model(module, mesh)` makes one FSDP group per decoder layer (each `*.layers` ModuleList entry, in both
+stacks of an encoder-decoder) and puts the rest (embeddings, final norms, head: whatever the model or pipeline stage
+holds besides its layers) in the root group, which stays gathered between forward and backward. On a (dp, fsdp)
+mesh with both > 1 this is HSDP: sharded within a replica, gradients all-reduced across replicas.
+
+Experts on more ranks than a TP group (`parallelize(model, tp, ep=...)`, `ep = k x tp`): each MoE layer's experts
+are split over k tensor-parallel groups that read different batches; Transformers' all-to-all sends every route to
+its expert's rank and back (`AllToAllWithDrops`, which also accepts the routes a capacity-limited gate dropped).
+FSDP then shards each experts module over the copies of those experts (`ExpertMesh.replicas`) and, since one copy's
+gradient already sums k batches, divides it by the whole data-parallel size rather than by the copies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface
+
+from .mesh import ExpertMesh
+
+ALL_TO_ALL = "all_to_all_with_drops"
+
+
+class AllToAllWithDrops(AllToAllEP):
+    """Transformers' all-to-all expert parallelism, for gates that drop routes too. A dropped route (sentinel id
+    `num_experts`, weight 0) would index past Transformers' per-expert counts; it is sent to this rank's own first
+    expert instead (no traffic, one wasted row per dropped route) and its weight 0 removes it from the output and
+    from every gradient."""
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        n = self.num_local_experts
+        own_first = self.ep_mesh.get_local_rank() * n
+        top_k_index = top_k_index.masked_fill(top_k_index >= n * self.ep_mesh.size(), own_first)
+        return super().__call__(hidden_states, top_k_index, top_k_weights)
+
+
+EPImplementationInterface.register(ALL_TO_ALL, AllToAllWithDrops)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards on: (dp, fsdp) (HSDP) when there are replicas, else (fsdp,)."""
+    return mesh["dp", "fsdp"] if mesh["dp"].size() > 1 else mesh["fsdp"]
+
+
+def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh | None = None) -> nn.Module:
+    """FSDP2 on `module` (a model or a `Pipeline` stage) over the dp and fsdp dims of a `make_mesh` mesh, after any
+    tensor / expert parallelism (see the module docstring); returns it. Build the optimizer afterwards: the
+    parameters become sharded DTensors. `experts`: the `expert_mesh` the model's experts were split on with
+    `parallelize(..., ep=experts.ep)`."""
+    shard_mesh = data_parallel_mesh(mesh)
+    if experts is not None:
+        data_parallel = mesh["dp"].size() * mesh["fsdp"].size()
+        copies = experts.replicas["efsdp"].size()
+        for m in module.modules():
+            if getattr(m, "_is_expert_parallel", False):  # split by Transformers' grouped_gemm rule on experts.ep
+                fully_shard(m, mesh=experts.replicas)
+                m.set_gradient_divide_factor(float(data_parallel))
+                # FSDP applies a divide factor other than the group size with PREMUL_SUM, which gloo lacks (and NCCL
+                # zeroes in bf16, pytorch#190747): sum, then divide locally. Without a reduce-scatter (one copy) FSDP
+                # already divides by the factor.
+                if copies > 1:
+                    m.set_force_sum_reduction_for_comms(True)
+    for name, layers in module.named_modules():
+        if isinstance(layers, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
+            for layer in layers:
+                fully_shard(layer, mesh=shard_mesh)
+    return fully_shard(module, mesh=shard_mesh)
+
+
+def set_gradient_sync(module: nn.Module, sync: bool) -> None:
+    """Reduce gradients in this backward (the last micro-step) or only accumulate them locally (the others)."""
+    if isinstance(module, FSDPModule):
+        module.set_requires_gradient_sync(sync)
+
+
+def _reduced_over(grad) -> tuple:
+    """The process groups a gradient's local sum of squares must be summed over: its DTensor's sharded mesh dims."""
+    if not isinstance(grad, DTensor):
+        return ()
+    groups = []
+    for dim, placement in enumerate(grad.placements):
+        if placement.is_partial():
+            raise ValueError(f"A gradient with a Partial placement ({grad.placements}): reduce it before its norm.")
+        if not isinstance(placement, Replicate):  # Shard, or FSDP's _StridedShard under tensor parallelism
+            groups.append(grad.device_mesh.get_group(dim))
+    return tuple(groups)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters, max_norm: float, *, norm_parameters=None, group=None) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` for parameters split by any layout here: plain tensors, tensor-parallel and
+    FSDP DTensors (each gradient's local sum of squares, summed over the groups its shards span: one all-reduce per
+    kind of placement, not per parameter), and pipeline stages (`group`: the squares also summed over it).
+    `norm_parameters` (default: `parameters`) are those the norm counts (a parameter several stages hold, once);
+    every gradient in `parameters` is scaled. No host sync. Returns the norm before clipping."""
+    parameters = [p for p in parameters if p.grad is not None]
+    counted = parameters if norm_parameters is None else [p for p in norm_parameters if p.grad is not None]
+    device = parameters[0].grad.device if parameters else torch.device("cpu")
+    partial: dict[tuple, torch.Tensor] = {}
+    for p in counted:
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        key = _reduced_over(p.grad)
+        partial[key] = partial.get(key, 0) + torch.linalg.vector_norm(local, dtype=torch.float32) ** 2
+    squares = torch.zeros((), device=device)
+    for groups, value in partial.items():  # the same keys, in the same order, on every rank of each group
+        for g in groups:
+            dist.all_reduce(value, group=g)
+        squares += value
+    if group is not None:
+        dist.all_reduce(squares, group=group)
+    total = squares.sqrt()
+    if max_norm:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
+        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters], scale)
+    return total
+
+
+def state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+    """Bytes this rank holds of the parameters, their gradients and the optimizer state (its local shards)."""
+
+    def local(t):
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    def size(tensors):
+        return sum(local(t).numel() * local(t).element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+    params = list(model.parameters())
+    states = [] if optimizer is None else [v for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+    return {"params": size(params), "grads": size(p.grad for p in params), "optimizer": size(states)}

@@ -1,0 +1,146 @@
+"""Transformers' `Trainer` / `Seq2SeqTrainer` on our models: the LM, aux and z losses logged apart, the router
+statistics of every MoE layer, and evaluation perplexity from the LM loss alone.
+
+    from hf_ppmoe.training import MoETrainer        # or MoESeq2SeqTrainer, or MoETrainerMixin for your own Trainer
+    trainer = MoETrainer(model=model, args=TrainingArguments(...), train_dataset=..., eval_dataset=...)
+    trainer.train()      # logs loss, lm_loss, aux_loss, z_loss, expert_load_cv/<layer>, dropped_fraction/<layer>
+    trainer.evaluate()   # eval_loss (the model's loss: with the router terms), eval_lm_loss, eval_perplexity, ...
+
+Why a Trainer mixin rather than a callback: a `TrainerCallback` sees neither the model's outputs nor a way to add
+values to a log entry (`Trainer.log` stores the entry in `state.log_history` and hands it to the reporting callbacks,
+TensorBoard, W&B, the progress bar, before a user's callback gets it). `Trainer.log` and `Trainer.evaluation_loop` are
+overridable for exactly this ("subclass and override to inject custom behavior"; TRL's SFTTrainer adds its metrics the
+same way), and the mixin overrides only those two. The values come from what the model returns (`loss`, `aux_loss`,
+`z_loss`) through a forward hook on the model Trainer calls (PEFT included), not from `compute_loss`: the hook sees
+the loss as the model computed it, before Trainer rescales it in place for data parallelism, and the arguments it was
+computed from (`labels`, `num_items_in_batch`), and it works under any `compute_loss` a subclass brings.
+
+What is logged, every logging step and for every evaluation (prefixed `eval_`), over all micro-batches and processes:
+- `lm_loss`: the cross-entropy per label token (no router terms); at evaluation also `perplexity` = exp(`eval_lm_loss`).
+  Trainer's own `loss` / `eval_loss` is the model's loss, LM plus the weighted router losses.
+- `aux_loss`, `z_loss`: the router losses (means over the MoE layers, as in the model output), weighted by each
+  micro-batch's label tokens, as their gradient is (`hf_ppmoe.modeling.common.router_loss_weight`); with equally long
+  micro-batches, `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
+- `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
+  logs them.
+Only forwards given `labels` count for the losses (with a `compute_loss_func` or label smoothing the model gets no
+labels and only the router statistics are logged). Not covered: `use_legacy_prediction_loop`, and several GPUs in one
+process (`torch.nn.DataParallel`, which Trainer uses when it sees several GPUs without a launcher: its replicas would
+run the hook concurrently); launch one process per GPU (torchrun / accelerate launch) as usual.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+
+import torch
+from transformers import Seq2SeqTrainer, Trainer
+
+from ..modeling import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
+from ..modeling.common import router_loss_weight
+from .tracking import RouterMonitor
+
+
+class LossMonitor:
+    """A forward hook on `model` (what Trainer calls: our model, or a PEFT model around `moe_model`) that sums, over the
+    forwards given labels, the LM cross-entropy, the label tokens and the token-weighted aux and z losses, on the
+    device, until `collect()`."""
+
+    def __init__(self, model: torch.nn.Module, moe_model: torch.nn.Module):
+        config = moe_model.config
+        self.coefficients = config.router_aux_loss_coef, config.router_z_loss_coef
+        self.shifts_labels = not config.is_encoder_decoder  # GPT-MoE predicts labels[:, 1:]
+        self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z]
+        self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    @torch.no_grad()
+    def _hook(self, module, args, kwargs, output):
+        labels, loss = kwargs.get("labels"), getattr(output, "loss", None)
+        aux, z = getattr(output, "aux_loss", None), getattr(output, "z_loss", None)
+        if labels is None or loss is None or aux is None:
+            return
+        targets = kwargs.get("shift_labels", labels[..., 1:]) if self.shifts_labels else labels
+        num_items = kwargs.get("num_items_in_batch")
+        tokens = (targets != -100).sum()
+        # the model's loss: its LM loss (a mean over `tokens`, or a sum divided by num_items_in_batch) plus the router
+        # terms with the weight the model gave them; computed now, before Trainer rescales `loss` in place
+        aux_coef, z_coef = self.coefficients
+        lm = loss - router_loss_weight(targets, num_items) * (aux_coef * aux + z_coef * z)
+        cross_entropy = lm * (num_items if num_items is not None else tokens)
+        sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z]).float()
+        self.sums = sums if self.sums is None else self.sums + sums.to(self.sums.device)
+
+    @contextmanager
+    def separately(self):
+        """As `RouterMonitor.separately`."""
+        saved, self.sums = self.sums, None
+        try:
+            yield
+        finally:
+            self.sums = saved
+
+    def collect(self, reduce, device) -> dict[str, float]:
+        """Token-weighted means since the last collect, summed over processes by `reduce` (every process calls it);
+        empty when no forward had a label."""
+        sums = reduce(self.sums.to(device) if self.sums is not None else torch.zeros(4, device=device))
+        self.sums = None
+        if sums[1] == 0:
+            return {}
+        lm, _, aux, z = (sums / sums[1]).tolist()
+        return {"lm_loss": lm, "aux_loss": aux, "z_loss": z}
+
+    def remove(self):
+        self.handle.remove()
+
+
+class MoETrainerMixin:
+    """Put before `Trainer` (or a subclass of it) in the bases: `class MyTrainer(MoETrainerMixin, Trainer)`. See the
+    module docstring for what it logs and why it is a mixin."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.model is None:
+            raise ValueError(f"{type(self).__name__} needs `model=` (`model_init` is not supported).")
+        moe_models = [m for m in self.model.modules() if isinstance(m, (GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration))]
+        if len(moe_models) != 1:
+            raise ValueError(
+                f"{type(self).__name__} logs the router losses and statistics of one GPTMoEForCausalLM or "
+                f"Seq2SeqMoEForConditionalGeneration (possibly inside a PEFT model); {type(self.model).__name__} holds "
+                f"{len(moe_models)}. Use transformers.Trainer for other models."
+            )
+        self.loss_monitor = LossMonitor(self.model, moe_models[0])
+        self.router_monitor = RouterMonitor(moe_models[0])
+
+    def _moe_metrics(self, prefix: str = "") -> dict[str, float]:
+        """What the monitors gathered since they were last collected, over all processes (every process calls this)."""
+        device = self.args.device
+
+        def reduce(tensor):
+            return self.accelerator.reduce(tensor.to(device), reduction="sum")
+
+        metrics = self.loss_monitor.collect(reduce, device)
+        if prefix and "lm_loss" in metrics:
+            metrics["perplexity"] = math.exp(metrics["lm_loss"]) if metrics["lm_loss"] < 700 else math.inf
+        metrics.update(self.router_monitor.collect(reduce))
+        return {f"{prefix}{name}": value for name, value in metrics.items()}
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log entry (evaluation metrics are added in evaluation_loop)
+            logs.update(self._moe_metrics())
+        super().log(logs, *args, **kwargs)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
+        # kept apart from the training statistics of the current logging interval, which go on after the evaluation
+        with self.loss_monitor.separately(), self.router_monitor.separately():
+            output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+            output.metrics.update(self._moe_metrics(f"{metric_key_prefix}_"))
+        return output
+
+
+class MoETrainer(MoETrainerMixin, Trainer):
+    """`transformers.Trainer` with the MoE metrics of `MoETrainerMixin`."""
+
+
+class MoESeq2SeqTrainer(MoETrainerMixin, Seq2SeqTrainer):
+    """`transformers.Seq2SeqTrainer` with the MoE metrics of `MoETrainerMixin`."""

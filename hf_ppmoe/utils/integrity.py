@@ -1,0 +1,165 @@
+"""What a checkpoint's files must satisfy before their tensors reach a model:
+
+- every file read lies inside the checkpoint's folder (`check_inside`): a shard index naming `../x`, `/abs/x`, or a
+  symlink leading out of the folder is refused. A Hugging Face Hub cache snapshot (`.../snapshots/REV/`, whose files
+  link to `../../blobs/`) counts its repository's `blobs/` as inside.
+- the bytes are those that were saved (`write_checksums` / `verify_checksums`): a `checksums.sha256` file in
+  `sha256sum` format records the SHA-256 of every weight file when it is written and is checked when it is read
+  (also with `sha256sum -c checksums.sha256`). Files are hashed in 1 MiB blocks, several at a time.
+- the stored tensors fit the model (`check_stored_dtypes`, `check_finite`): no integer or boolean tensor where the
+  model has a floating-point one (loading would cast it silently), no NaN or infinity.
+
+Standard library, torch and safetensors only: the model code carries this module into checkpoints for
+`trust_remote_code`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+CHECKSUMS_FILE = "checksums.sha256"
+# the files that hold a checkpoint's weights: model.safetensors, model-00001-of-00002.safetensors, the index, a
+# variant (model.fp16.safetensors), the .bin equivalents
+WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(\.\w+)?(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+_MANIFEST_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$", flags=re.MULTILINE)  # sha256sum's text and binary modes
+
+
+class CheckpointError(ValueError):
+    """A checkpoint's files are unsafe to read or do not hold what was saved; the message names the file or tensor
+    and what to do."""
+
+
+def _allowed_roots(folder: Path) -> list[Path]:
+    root = Path(os.path.realpath(folder))
+    roots = [root]
+    if Path(os.path.abspath(folder)).parent.name == "snapshots":  # the Hub cache: snapshots/REV/* -> ../../blobs/*
+        roots.append(Path(os.path.realpath(Path(os.path.abspath(folder)).parent.parent / "blobs")))
+    return roots
+
+
+def check_inside(folder: str | os.PathLike, names: Iterable[str], what: str = "file") -> None:
+    """Refuse any of `names` (relative to `folder`) that is absolute, climbs out with `..`, or is a symlink whose
+    target lies outside `folder`."""
+    folder = Path(folder)
+    roots = _allowed_roots(folder)
+    for name in names:
+        name = os.fspath(name)
+        real = Path(os.path.realpath(folder / name))
+        if os.path.isabs(name) or ".." in Path(name).parts or not any(real.is_relative_to(r) for r in roots):
+            raise CheckpointError(
+                f"{folder}: the {what} {name!r} leads outside the checkpoint folder (to {real}). Checkpoints may only "
+                "read files inside their folder; if the folder is yours, copy the file in (cp -L) and name it relative "
+                "to the folder."
+            )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)  # releases the GIL for large blocks: files hash in parallel threads
+    return digest.hexdigest()
+
+
+def _hash_all(folder: Path, names: list[str]) -> dict[str, str]:
+    workers = min(len(names), os.cpu_count() or 1, 8) or 1
+    with ThreadPoolExecutor(workers) as pool:
+        return dict(zip(names, pool.map(lambda n: _sha256(folder / n), names)))
+
+
+def write_checksums(folder: str | os.PathLike, names: Iterable[str]) -> None:
+    """Record the SHA-256 of `names` (files in `folder`) in `folder/checksums.sha256`."""
+    folder = Path(folder)
+    digests = _hash_all(folder, sorted(names))
+    (folder / CHECKSUMS_FILE).write_text("".join(f"{h}  {n}\n" for n, h in digests.items()))
+
+
+def verify_checksums(folder: str | os.PathLike, names: Iterable[str]) -> bool:
+    """Compare the files `names` of `folder` with `checksums.sha256`; False when the folder has none. Raises
+    CheckpointError naming the first file that differs or was not recorded."""
+    folder = Path(folder)
+    manifest = folder / CHECKSUMS_FILE
+    if not manifest.is_file():
+        return False
+    recorded = {name: digest for digest, name in _MANIFEST_LINE.findall(manifest.read_text())}
+    names = sorted(set(names))
+    unrecorded = [n for n in names if n not in recorded]
+    if unrecorded:
+        raise CheckpointError(
+            f"{folder / unrecorded[0]} is read as part of the checkpoint but {manifest} does not list it: the folder "
+            f"was changed after it was saved. Save it again, or delete {CHECKSUMS_FILE} if the change was yours."
+        )
+    for name, digest in _hash_all(folder, names).items():
+        if digest != recorded[name]:
+            raise CheckpointError(
+                f"{folder / name} is not the file that was saved: its SHA-256 differs from the one in {manifest}, so "
+                "its bytes were overwritten or damaged. Restore it from a backup or an earlier checkpoint (or download "
+                f"it again); if you changed it on purpose, delete {CHECKSUMS_FILE}."
+            )
+    return True
+
+
+def stored_dtypes(files: Iterable[str | os.PathLike]) -> dict[str, tuple[str, torch.dtype]]:
+    """Tensor name -> (file, dtype) from the headers of safetensors files (no tensor data is read)."""
+    stored = {}
+    for file in files:
+        with safe_open(file, framework="pt") as handle:
+            for key in handle.keys():
+                code = handle.get_slice(key).get_dtype()
+                if code in TORCH_DTYPES:
+                    stored[key] = (str(file), TORCH_DTYPES[code])
+    return stored
+
+
+def check_stored_dtypes(stored: Mapping[str, tuple[str, torch.dtype]], expected: Mapping[str, torch.Tensor]) -> None:
+    """stored: tensor name -> (file, dtype) as saved; expected: the model's tensors by name. A floating-point tensor
+    of the model stored as integers or booleans (or the reverse) would be cast silently on loading: refuse it."""
+    for name, (file, dtype) in stored.items():
+        tensor = expected.get(name)
+        if tensor is not None and tensor.dtype.is_floating_point != dtype.is_floating_point:
+            raise CheckpointError(
+                f"{file}: tensor {name} is stored as {dtype} but the model's is {tensor.dtype}; loading would cast "
+                "its values silently. The file does not hold this model's weights: re-save or re-convert the checkpoint."
+            )
+
+
+def _finite(tensor: torch.Tensor) -> bool:
+    # a finite sum means finite elements (NaN and infinity propagate); a sum is one vectorized pass without a
+    # tensor-sized temporary, several times faster than isfinite().all(), which only decides when the sum is not
+    # finite (an overflow of finite values)
+    total = tensor.sum(dtype=torch.float64 if tensor.dtype == torch.float64 else torch.float32)
+    return bool(torch.isfinite(total)) or bool(torch.isfinite(tensor).all())
+
+
+def check_finite(tensors: Iterable[tuple[str, str, torch.Tensor]]) -> None:
+    """Refuse NaN or infinity in floating-point tensors, given as (file, name, tensor) as loaded from `file`."""
+    for file, name, tensor in tensors:
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a split tensor: this process's part
+        if local.is_floating_point() and local.device.type != "meta" and not _finite(local):
+            raise CheckpointError(
+                f"{file}: tensor {name} holds NaN or infinite values. The checkpoint was saved from a diverged run or "
+                "damaged afterwards; load an earlier checkpoint."
+            )
