@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,7 +94,9 @@ def launch_and_kill(nprocs, argv, stop_step, log_dir):
                 assert time.monotonic() < deadline, "the job never logged the step to kill it after"
                 time.sleep(0.5)
         finally:
-            os.killpg(job.pid, signal.SIGKILL)  # torchrun and every worker: the job's own process group
+            # torchrun and every worker (torchrun starts each worker in a session of its own, so not killpg)
+            for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
+                process.kill()
             job.wait()
     return job.returncode
 
