@@ -43,7 +43,7 @@ def test_models_reentrant_gradient_checkpointing_equals_no_checkpointing(case):
 
     plain_loss, plain = loss_and_grads(model)
     checkpointed = copy.deepcopy(model)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": True})
     assert all(layer.gradient_checkpointing for layer in checkpointed.modules() if hasattr(layer, "_gradient_checkpointing_func"))
     loss, grads = loss_and_grads(checkpointed)
     torch.testing.assert_close(loss, plain_loss)
