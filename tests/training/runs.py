@@ -12,6 +12,7 @@ import os
 import sys
 import time
 
+import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
 from hf_ppmoe.training.__main__ import cli
@@ -41,3 +42,7 @@ if __name__ == "__main__":
             sys.exit(f"run {argv} failed")
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
+    # the group kept above is destroyed once, after the last run: left to interpreter exit, its gloo threads can be
+    # torn down while still joinable ("terminate called without an active exception", a failed rank)
+    if dist.is_initialized():
+        dist.destroy_process_group()
