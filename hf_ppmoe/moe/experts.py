@@ -245,8 +245,13 @@ def grouped_kernel_available(x: torch.Tensor, w: torch.Tensor) -> bool:
     if (w.shape[1] * itemsize) % 16 or (w.shape[2] * itemsize) % 16:
         return False
     if x.device.type == "cuda":
-        return torch.cuda.get_device_capability(x.device) >= (8, 0)
+        return _sm80_or_newer(x.device)
     return x.device.type == "cpu"
+
+
+@torch.compiler.assume_constant_result  # read once while tracing: torch.compile does not fold this CUDA query itself
+def _sm80_or_newer(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
