@@ -134,7 +134,7 @@ def batch_indices(step: int, micro: int, process: int, args: TrainArguments, wor
     positions = torch.arange(start, start + b)
     epochs, offsets = positions // n_blocks, positions % n_blocks
     rows = torch.empty(b, dtype=torch.long)
-    for epoch in epochs.unique().tolist():
+    for epoch in range(start // n_blocks, (start + b - 1) // n_blocks + 1):  # the epochs these b positions span
         perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
         rows[epochs == epoch] = perm[offsets[epochs == epoch]]
     return rows
@@ -291,6 +291,11 @@ def main(args: TrainArguments) -> dict:
     bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
                disable=not accelerator.is_local_main_process, desc="training", dynamic_ncols=True)
     clock, eval_metrics = time.perf_counter(), {}
+    # The loop reads from the device only where it must (logging, evaluation, checkpoints, the last step): the steps
+    # between make no host sync, so a GPU runs ahead of Python. Meanwhile the losses add up on the device, and so does
+    # the first step whose loss is not finite.
+    interval, interval_start = torch.zeros(3, device=accelerator.device), start_step
+    first_nonfinite = torch.zeros((), dtype=torch.long, device=accelerator.device)  # 0: none yet
     for step in bar:
         if pipe is not None:  # the micro-steps' rows in one batch, the pipeline's microbatches
             rows = [batch_indices(step, m, dp.rank, args, dp.size, len(blocks)) for m in range(args.gradient_accumulation_steps)]
@@ -322,33 +327,46 @@ def main(args: TrainArguments) -> dict:
                 sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
         scheduler.step()
         done = step + 1
-        sums = dp.reduce(sums, reduction="mean")
-        if not bool(torch.isfinite(sums).all()):  # the same on every rank: all stop together, nothing is saved
+        sums = dp.reduce(sums, reduction="mean")  # the same on every rank: all stop together, nothing is saved
+        first_nonfinite = torch.where((first_nonfinite == 0) & ~torch.isfinite(sums).all(), done, first_nonfinite)
+        interval += sums
+        log_now = done % args.logging_steps == 0 or done == args.max_steps
+        eval_now = done % args.eval_steps == 0 or done == args.max_steps
+        save_now = bool(args.checkpointing_steps) and done % args.checkpointing_steps == 0
+        if not (log_now or eval_now or save_now):
+            continue
+        if nonfinite := int(first_nonfinite):
+            lm, aux, z = sums.tolist()
             raise FloatingPointError(
-                f"Training stopped at step {done}: the loss is not finite (lm {sums[0].item()}, aux {sums[1].item()}, "
-                f"z {sums[2].item()}). Nothing was saved from this step on; checkpoints written before it are intact. "
-                "Lower --learning_rate, keep --max_grad_norm on, or try --mixed_precision bf16 instead of fp16."
+                f"Training stopped at step {done}: the loss is not finite since step {nonfinite} (lm {lm}, aux {aux}, "
+                f"z {z} at step {done}). Nothing was saved from step {nonfinite} on; checkpoints written before it are "
+                "intact. Lower --learning_rate, keep --max_grad_norm on, or try --mixed_precision bf16 instead of fp16."
             )
-        router = monitor.collect(lambda t: dp.reduce(t.to(accelerator.device)))
-        if pipe is not None:  # every stage has its own layers' metrics
-            stages = [None] * pipe.size
-            dist.all_gather_object(stages, router, group=pipe.group)
-            router = {name: value for stage in stages for name, value in stage.items()}
-        elapsed = time.perf_counter() - clock
-        clock = time.perf_counter()
-        if done % args.eval_steps == 0 or done == args.max_steps:
-            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp, pipe)
-            accelerator.log(eval_metrics, step=done)
-        if done % args.logging_steps == 0 or done == args.max_steps:
+        if log_now:
+            router = monitor.collect(lambda t: dp.reduce(t.to(accelerator.device)))  # over the logging interval
+            if pipe is not None:  # every stage has its own layers' metrics
+                stages = [None] * pipe.size
+                dist.all_gather_object(stages, router, group=pipe.group)
+                router = {name: value for stage in stages for name, value in stage.items()}
+            steps = done - interval_start
+            lm, aux, z = (interval / steps).tolist()  # means over the interval's steps
+            elapsed = time.perf_counter() - clock  # after the read above: the device has finished these steps
             metrics = {
-                "train/lm_loss": sums[0].item(), "train/aux_loss": sums[1].item(), "train/z_loss": sums[2].item(),
-                "train/grad_norm": grad_norm.item(), "train/lr": scheduler.get_last_lr()[0],
-                "train/tokens_per_second": tokens_per_step / elapsed, **router,
+                "train/lm_loss": lm, "train/aux_loss": aux, "train/z_loss": z, "train/grad_norm": grad_norm.item(),
+                "train/lr": scheduler.get_last_lr()[0], "train/tokens_per_second": tokens_per_step * steps / elapsed,
+                **router,
             }
             accelerator.log(metrics, step=done)
-        bar.set_postfix(loss=f"{sums[0].item():.3f}", aux=f"{sums[1].item():.3f}", tok_s=f"{tokens_per_step / elapsed:,.0f}")
-        if args.checkpointing_steps and done % args.checkpointing_steps == 0:
+            bar.set_postfix(loss=f"{lm:.3f}", aux=f"{aux:.3f}", tok_s=f"{tokens_per_step * steps / elapsed:,.0f}")
+            interval.zero_()
+            interval_start, clock = done, time.perf_counter()
+        paused = time.perf_counter()  # evaluation and checkpoints do not count in the next interval's tokens/s
+        if eval_now:
+            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp, pipe)
+            accelerator.log(eval_metrics, step=done)
+        if save_now:
             save_checkpoint(accelerator, args, done, record, sharded)
+        clock += time.perf_counter() - paused
 
     accelerator.wait_for_everyone()
     monitor.remove()

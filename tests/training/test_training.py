@@ -489,6 +489,31 @@ def test_bf16_mixed_precision_trains(corpus, tmp_path):
     assert f"step 2: eval loss {evals[2]:.4f}, perplexity {math.exp(evals[2]):.2f}" in result.stdout, result.stdout[-500:]
 
 
+def test_steps_between_logging_read_nothing_from_the_device(corpus, tmp_path, monkeypatch):
+    """The training loop reads tensors on the host (a device sync on a GPU) only at logging, evaluation and checkpoint
+    steps: 8 steps logged once make as many reads in train.py as 4 steps logged once. (The model's CPU-only input
+    checks read too, by design, and are not counted: only reads made from train.py's own lines are.)"""
+    reads = []
+
+    def counting(method):
+        def read(self, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.endswith(os.path.join("training", "train.py")):
+                reads.append(sys._getframe(1).f_lineno)
+            return method(self, *args, **kwargs)
+        return read
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(getattr(torch.Tensor, name)))
+    counts = {}
+    for steps in (4, 8):
+        reads.clear()
+        main(_args(corpus, tmp_path / str(steps), steps=steps, logging_steps=steps, eval_steps=steps))
+        counts[steps] = sorted(reads)
+    assert counts[4] == counts[8] and counts[4], counts
+    logged = read_jsonl(tmp_path / "8" / "logs" / "metrics.jsonl")
+    assert [r["step"] for r in logged if "train/lm_loss" in r] == [8]  # the mean over the 8 steps
+
+
 def test_non_finite_loss_stops_the_run_and_saves_nothing_from_it(corpus, tmp_path):
     """A diverging run (learning rate 1e6, no clipping) stops with a clear error at the first non-finite loss; the
     checkpoint written before it stays, no later checkpoint or final model is written."""
