@@ -3,7 +3,7 @@
 from .experts import MLP, Experts, einsum_dispatch, index_dispatch
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
 from .layer import MoELayer
-from .losses import load_balancing_loss, router_z_loss
+from .losses import load_balancing_loss, router_loss, router_z_loss
 from .routing import Routing, capacity_for, group_size_for, positions_in_expert
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "group_size_for",
     "index_dispatch",
     "load_balancing_loss",
+    "router_loss",
     "positions_in_expert",
     "register_gate",
     "router_z_loss",
