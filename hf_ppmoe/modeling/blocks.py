@@ -44,7 +44,7 @@ def eager_attention_forward(module, query, key, value, attention_mask, scaling, 
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-def attend(module: nn.Module, attention, query, key, value, attention_mask, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attend(module: nn.Module, attention, query, key, value, attention_mask, **kwargs) -> tuple:
     """`attention` (the config's implementation: eager, sdpa, flex, ...) on [B, N, len, D] heads, then
     `module.o_proj` -> ([B, L, H], attention weights or None)."""
     out, weights = attention(

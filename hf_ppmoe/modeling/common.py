@@ -1,17 +1,11 @@
-"""Pieces shared by both model families: norms, MoE loss aggregation, and the `save_pretrained` that makes a
-checkpoint folder self-contained for `trust_remote_code=True`.
+"""Pieces shared by both model families: norms, input checks, the loss (`model_loss`), and `MoEPreTrainedModel`
+with a guarded, self-contained `save_pretrained` / `from_pretrained`.
 
-Transformers' remote-code loader copies a model's modeling/configuration files and, recursively, only the files
-they import with `from .name import ...` from the same folder. Our modules live in a package tree
-(`hf_ppmoe/moe/...`, `hf_ppmoe/modeling/...`), so `save_pretrained` writes a flattened copy of every module the
-model needs (`hf_ppmoe/moe/layer.py` -> `moe_layer.py`, imports rewritten to `from .moe_layer import ...`) and the
-`auto_map` that points at them. The same code runs again from such a flattened folder, where names are already flat.
-It also writes `custom_generate/generate.py` (flat beam search), which Transformers picks up with
-`trust_remote_code=True`.
-
-Saving and loading are guarded (hf_ppmoe/utils): `save_pretrained` replaces its folder in one step and records the
-weights' SHA-256; loading refuses weight files outside the folder, checks those checksums, integer or boolean tensors
-where the model has floating-point ones, and NaN or infinity.
+Transformers' remote-code loader copies only the files a model's modules import with `from .name import ...`, so
+`save_pretrained` writes a flattened copy of every module the model needs (`hf_ppmoe/moe/layer.py` ->
+`moe_layer.py`, imports rewritten), the `auto_map` pointing at them, and `custom_generate/generate.py` (flat beam
+search). Saving replaces the folder in one step and records the weights' SHA-256; loading refuses weight files outside
+the folder, changed checksums, integer tensors for floating-point weights, and NaN or infinity (hf_ppmoe/utils).
 """
 
 from __future__ import annotations
@@ -97,7 +91,7 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
     device (or break the graph) on every step, so there the embedding's own device-side index check stops a bad id."""
     if ids.device.type != "cpu" or torch.compiler.is_compiling() or ids.numel() == 0:
         return
-    low, high = ids.aminmax()  # one pass (~10 us per decoding step on CPU)
+    low, high = ids.aminmax()  # one pass
     if low.item() < 0 or high.item() >= limit:
         where = tuple(((ids < 0) | (ids >= limit)).nonzero()[0].tolist())
         raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
@@ -131,12 +125,9 @@ def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor |
     ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step; 0 for
     a batch without a target.
 
-    Transformers' Trainer passes `num_items_in_batch` (all micro-batches of gradient accumulation, and all data-parallel
-    replicas unless `average_tokens_across_devices=False`), adds up the micro-batches' losses without dividing by the
-    accumulation steps, and multiplies each by the replica count, which the replicas' gradient averaging undoes. A
-    router loss added in full would so count once per micro-batch and replica; weighted by the token share, one step's
-    router losses add up to their token-weighted mean over micro-batches and replicas: the plain mean our own training
-    loop takes when every micro-batch holds as many label tokens, whatever the accumulation and replica counts."""
+    Transformers' Trainer adds up the losses of a step's micro-batches (and data-parallel replicas), each normalised
+    by `num_items_in_batch`: weighted by the token share, a step's router losses add up to their token-weighted mean
+    instead of counting once per micro-batch and replica."""
     count = (targets != -100).sum()
     if num_items_in_batch is None:
         return (count > 0).float()

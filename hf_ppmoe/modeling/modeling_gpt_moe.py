@@ -43,6 +43,7 @@ class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
 
 
 class GPTMoERotaryEmbedding(nn.Module):
+    """Rotary position embedding (Llama): cos/sin [B, L, head_dim] for the positions, any Transformers rope type."""
     def __init__(self, config: GPTMoEConfig):
         super().__init__()
         self.config = config
@@ -70,16 +71,20 @@ class GPTMoERotaryEmbedding(nn.Module):
 
 
 def rotate_half(x):
+    """[x1, x2] -> [-x2, x1] over the last dimension (its two halves)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
+    """q, k [B, N, L, D] rotated by the angles of cos, sin [B, L, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 class GPTMoEAttention(nn.Module):
+    """Causal self-attention with grouped-query heads, optional per-head q/k norms (Qwen3), rotary positions and a
+    key/value cache; the kernel is the config's attention implementation."""
     def __init__(self, config: GPTMoEConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
@@ -114,11 +119,13 @@ class GPTMoEAttention(nn.Module):
 
 
 class GPTMoEDecoderLayer(MoETransformerLayer):
+    """Pre-norm causal self-attention, then the FFN: an `MoELayer` on every `moe_layer_frequency`-th layer."""
     def __init__(self, config: GPTMoEConfig, layer_idx: int):
         super().__init__(config, GPTMoEAttention(config, layer_idx), config.is_moe_layer(layer_idx))
 
 
 class GPTMoEPreTrainedModel(MoEPreTrainedModel):
+    """Base of the GPT-MoE classes: config class, and what `capture_moe_outputs` records."""
     config: GPTMoEConfig
     config_class = GPTMoEConfig
     _no_split_modules = ["GPTMoEDecoderLayer"]
@@ -126,6 +133,7 @@ class GPTMoEPreTrainedModel(MoEPreTrainedModel):
 
 
 class GPTMoEModel(GPTMoEPreTrainedModel):
+    """Embeddings (learned or rotary positions), the decoder layers and the final norm: last_hidden_state [B, L, H]."""
     _auto_classes = {"AutoModel": "GPTMoEModel"}
 
     def __init__(self, config: GPTMoEConfig):
@@ -226,6 +234,8 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
 
 
 class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
+    """`GPTMoEModel` with an LM head (tied to the embeddings if `tie_word_embeddings`); generates with every
+    Transformers decoding mode, also `output_router_logits=True` (hf_ppmoe.generation.router_stats)."""
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}

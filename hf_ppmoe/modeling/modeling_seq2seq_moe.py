@@ -221,6 +221,7 @@ class Seq2SeqMoEStack(nn.Module):
 
 
 class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
+    """The bidirectional encoder stack."""
     _can_record_outputs = output_recorders(Seq2SeqMoEEncoderLayer, Seq2SeqMoEAttention)
 
     def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding):
@@ -258,6 +259,7 @@ class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
 
 
 class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
+    """The causal decoder stack, cross-attending to the encoder output; its cache is an `EncoderDecoderCache`."""
     bidirectional = False
     _can_record_outputs = output_recorders(Seq2SeqMoEDecoderLayer, Seq2SeqMoEAttention, cross_attention=True)
 
@@ -339,6 +341,7 @@ _STACK_FIELDS = ("hidden_states", "attentions", "router_logits", "router_expert_
 
 
 class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
+    """Base of the Seq2Seq-MoE classes: tied-embedding loading and T5's label shift."""
     config: Seq2SeqMoEConfig
     config_class = Seq2SeqMoEConfig
     _no_split_modules = ["Seq2SeqMoEEncoderLayer", "Seq2SeqMoEDecoderLayer"]
@@ -376,6 +379,8 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
 
 
 class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
+    """The shared embedding, the encoder and the decoder: the decoder's last_hidden_state [B, L, H] and both stacks'
+    outputs."""
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel"}
     _tied_weights_keys = {
         "encoder.embed_tokens.weight": "shared.weight",
