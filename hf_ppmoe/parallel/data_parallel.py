@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface
 
 from .mesh import ExpertMesh
+from .modules import ExpertParallel, become
 
 ALL_TO_ALL = "all_to_all_with_drops"
 
@@ -48,6 +49,14 @@ class AllToAllWithDrops(AllToAllEP):
     `num_experts`, weight 0) would index past Transformers' per-expert counts; it is sent to this rank's own first
     expert instead (no traffic, one wasted row per dropped route) and its weight 0 removes it from the output and
     from every gradient."""
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        n = self.num_local_experts
+        become(
+            experts, ExpertParallel, ALL_TO_ALL, ep_mesh,
+            first_expert=ep_mesh.get_local_rank() * n, num_global_experts=n * ep_mesh.size(),
+        )
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         n = self.num_local_experts
@@ -74,7 +83,7 @@ def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh |
         data_parallel = mesh["dp"].size() * mesh["fsdp"].size()
         copies = experts.replicas["efsdp"].size()
         for m in module.modules():
-            if getattr(m, "_is_expert_parallel", False):  # split by Transformers' grouped_gemm rule on experts.ep
+            if isinstance(m, ExpertParallel):  # split by Transformers' grouped_gemm rule on experts.ep
                 fully_shard(m, mesh=experts.replicas)
                 m.set_gradient_divide_factor(float(data_parallel))
                 # FSDP applies a divide factor other than the group size with PREMUL_SUM, which gloo lacks (and NCCL
