@@ -57,7 +57,8 @@ def become(module: nn.Module, kind: type[ParallelModule], style: str, mesh: Devi
             new = kind
         else:
             if (kind, cls) not in _CLASSES:
-                _CLASSES[kind, cls] = type(f"{kind.__name__}{cls.__name__}", (kind, cls), {"__module__": cls.__module__})
+                name = f"{kind.__name__}{cls.__name__}"
+                _CLASSES[kind, cls] = type(name, (kind, cls), {"__module__": cls.__module__})
             new = _CLASSES[kind, cls]
         module.__class__ = new
     module.parallel_style, module.mesh = style, mesh
