@@ -1,31 +1,13 @@
 """Sharded data parallelism (FSDP2, HSDP) for our models and pipeline stages, and experts spread across data-parallel
 ranks (expert parallelism wider than the tensor-parallel group).
 
-Engine: torch's FSDP2 `fully_shard`, applied to a built model from outside like the rest of hf_ppmoe.parallel.
-It shards every parameter on dim 0 as a DTensor, all-gathers a layer's parameters before its forward (and again
-for its backward), frees them after, and reduce-scatters the gradients, so parameters, gradients and Adam state
-per rank are 1 / fsdp of what each replica would hold. Why this engine and not the other two the stack offers:
+`fully_shard_model(module, mesh)` applies torch's FSDP2 `fully_shard` from outside, after any tensor or expert
+parallelism: one FSDP group per decoder layer, the rest (embeddings, final norms, head) in the root group; HSDP on a
+(dp, fsdp) mesh with both > 1. With `parallelize(model, tp, ep=...)` (ep = k x tp) each MoE layer's experts are split
+over k tensor-parallel groups that read different batches and reached by Transformers' all-to-all
+(`AllToAllWithDrops`); FSDP shards each experts module over its copies (`ExpertMesh.replicas`).
 
-- It composes with what we already build: with the tensor-parallel DTensors `parallelize` makes (one root mesh, the
-  placements nest: `(_StridedShard(0), Shard(0))`), with PPMoE (plain autograd collectives on the TP group, which
-  FSDP does not see), with Transformers' all-to-all expert parallelism (experts sharded over their own ranks), and
-  with `torch.distributed.pipelining`, whose stages know FSDP modules (gradient sync on the last microbatch only).
-  Checkpoints are DTensor state dicts for torch.distributed.checkpoint, like the tensor-parallel ones before.
-- Transformers' `DistributedConfig(fsdp_size=...)` applies the same `fully_shard`, but owns the mesh and the model
-  build (`from_pretrained`), refuses FSDP with pipeline parallelism, and does not know our `Pipeline` stages.
-- Accelerate's FSDP2 plugin wraps the model inside `accelerator.prepare`, and Accelerate refuses a tensor-parallel
-  `ParallelismConfig` on CPU processes; our split model stays outside `prepare` (train.py says why).
-
-`fully_shard_model(module, mesh)` makes one FSDP group per decoder layer (each `*.layers` ModuleList entry, in both
-stacks of an encoder-decoder) and puts the rest (embeddings, final norms, head: whatever the model or pipeline stage
-holds besides its layers) in the root group, which stays gathered between forward and backward. On a (dp, fsdp)
-mesh with both > 1 this is HSDP: sharded within a replica, gradients all-reduced across replicas.
-
-Experts on more ranks than a TP group (`parallelize(model, tp, ep=...)`, `ep = k x tp`): each MoE layer's experts
-are split over k tensor-parallel groups that read different batches; Transformers' all-to-all sends every route to
-its expert's rank and back (`AllToAllWithDrops`, which also accepts the routes a capacity-limited gate dropped).
-FSDP then shards each experts module over the copies of those experts (`ExpertMesh.replicas`) and, since one copy's
-gradient already sums k batches, divides it by the whole data-parallel size rather than by the copies.
+docs/parallel.md says why FSDP2 rather than Transformers' or Accelerate's FSDP.
 """
 
 from __future__ import annotations

@@ -1,41 +1,15 @@
-"""PPMoE expert parallelism (Pipeline-MoE, arXiv 2304.11414, Sec. 3.3 and Algorithm 1) inside Transformers' plans.
+"""PPMoE expert parallelism (Pipeline-MoE, arXiv 2304.11414, Sec. 3.3, Algorithm 1) inside Transformers' plans.
 
-The experts of every MoE layer are split evenly over the ranks of the tensor-parallel group: rank r holds the
-contiguous experts [r*E/N, (r+1)*E/N). Every rank holds the same hidden states (tensor parallelism guarantees it)
-and computes the same routing, so no token moves between ranks.
+The experts of every MoE layer are split evenly over the tensor-parallel group (rank r holds experts
+[r*E/N, (r+1)*E/N)). Every rank holds the same hidden states and computes the same routing; each runs its own
+experts on the routes that reach them (the others get the sentinel id and are skipped), and one all-reduce sums the
+partial outputs: the communication of a tensor-parallel dense FFN, plus the router weight's gradient [E, H].
 
-Example: 4 experts on 2 ranks, top-2. Token t picks E1 (weight w1) and E2 (weight w2).
+- "ppmoe_ffn" (FFN slot): an MoE layer becomes a `PPMoELayer`; a dense FFN gets "replicated_input".
+- "ppmoe" (`EPImplementationInterface`, `DistributedConfig(ep_implementation="ppmoe")`) and "ppmoe_experts" (the
+  tensor-parallel plan's rule): the experts module becomes an `ExpertParallel` one running `PPMoEExperts`.
 
-    GPU                      0                           1
-    x [T, H]          [====== x ======]           [====== x ======]    the same tokens on both ranks
-                             │ copy_to: identity forward, all-reduce of the input gradient backward
-    gate                ids[t] = [1, 2]             ids[t] = [1, 2]      same weights, same random draws
-    local ids[t]          [1, 2*]                     [2*, 0]            2* = sentinel (other rank): skipped
-    experts              E0    E1                    E2    E3            index_select -> expert -> index_add into 0s
-    partial out[t]       w1 * E1(x_t)                w2 * E2(x_t)
-                             │ reduce_from: all-reduce forward, identity backward
-    out[t]                      w1 * E1(x_t) + w2 * E2(x_t) on both ranks
-
-Communication of one MoE layer: one all-reduce of [T, H] forward and one backward, as a tensor-parallel dense FFN.
-The backward one carries the input gradient of the expert path and of the router path together, because `copy_to`
-sits before the gate. The price is that the router's gradients are partial on each rank (a rank's routing weights
-get gradient only through its own experts), so the router weight [E, H] gradient is summed over the group in every
-backward pass: the only other communication (the paper's "synchronization of the gating parameters"). Values every
-rank computes identically and the loss consumes directly (the router aux / z losses, the router logits handed to the
-model output) would be counted N times by those sums, so their gradient is scaled by 1/N. Results equal the
-single-device layer up to float summation order.
-
-Two plan styles and one `EPImplementation` put this into Transformers' machinery (our configs name them):
-- "ppmoe_ffn" on the FFN slot (`layers.*.mlp`): an MoE layer becomes a `PPMoELayer`, which does the above when its
-  experts are PPMoE-split and gives every rank's router the same random generator in any case (jitter and GShard
-  random routing must draw the same numbers on replicated activations). A dense FFN gets "replicated_input"
-  (tensor_parallel.py): one all-reduce of [T, H] each way, the count PPMoE matches.
-- "ppmoe" in `EPImplementationInterface` (`DistributedConfig(ep_implementation="ppmoe")`): global expert ids to
-  this rank's local ids with the sentinel for the others; the experts module becomes an `ExpertParallel` one
-  (modules.py). The experts' weights are split by "grouped_gemm". On a model whose MoE blocks are not ours
-  (Transformers' Qwen3-MoE, Mixtral, ...: no `PPMoELayer` around them) the experts sum over the ranks themselves
-  (`PPMoEExperts`), so the result equals one process there too.
-- "ppmoe_experts" does the same from a tensor-parallel plan, so `DistributedConfig(tp_size=N)` alone is PPMoE.
+docs/parallel.md walks through one layer on two ranks.
 """
 
 from __future__ import annotations

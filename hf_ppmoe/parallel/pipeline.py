@@ -1,34 +1,13 @@
 """Pipeline parallelism: stages cut from our own model classes, run by `torch.distributed.pipelining` schedules.
 
-    rank 0 (stage 0)                        rank 1 (stage 1, last)
-    embeddings, layers [0, L/2)  ──hidden──>  layers [L/2, L), norm, head ──> loss per microbatch
-                                <──grad────
+`Pipeline(model, pp_group, num_microbatches=M)` keeps this rank's stage of a built model (`GPTMoEStage`, or
+`Seq2SeqMoEStage`, which cuts the encoder's layers then the decoder's and passes the encoder output along), and
+`step(input_ids, labels, attention_mask)` runs one GPipe or 1F1B iteration: every stage's parameters get the gradient
+a single device accumulates over the same microbatches, the LM loss a token mean over the whole batch plus the mean
+of the microbatches' `hf_ppmoe.moe.losses.router_loss`. Router losses stay in their stage's graph; parameters that
+several stages hold get the sum of their copies' gradients. With `tp=...` each stage is also split (`parallelize`).
 
-`Pipeline(model, pp_group, num_microbatches=M)` keeps this rank's part of a built model (every rank builds the whole
-model with the same weights first) and `step(input_ids, labels, attention_mask)` runs one GPipe or 1F1B iteration:
-the batch is cut into M microbatches along dim 0, and every stage's parameters end up with the gradient of
-
-    loss = sum over microbatches of CE_sum(mb) / N  +  mean over microbatches of router_loss(mb)
-
-where N counts the label tokens of the whole batch (so padding and ignore_index weigh as in a full-batch token mean;
-with equal microbatches this is the mean of the microbatch losses) and router_loss is `hf_ppmoe.moe.losses.router_loss`
-of that microbatch. This is the gradient a single device accumulates over the same microbatches (PPMoE Sec. 3.3.6);
-the returned loss is that value, on every rank.
-
-Router losses of a stage's MoE layers are part of that stage's graph: their gradient is injected where the stage's
-output gradient arrives (Megatron's aux-loss auto-scaler), so nothing but activations crosses stages.
-
-An encoder-decoder (Seq2Seq-MoE) is cut as one list of layers, the encoder's then the decoder's. The encoder output
-travels with the decoder's hidden states through every later stage (each cross-attends to it), so its gradient
-flows back from all of them to the encoder:
-
-    stage 0: embed, encoder [0, 2)  ──enc hidden──>  stage 1: encoder [2, E), norm; embed, decoder [0, 1)
-        ──(dec hidden, enc output)──>  stage 2: decoder [1, D), norm, head
-
-Parameters that several stages hold (a head tied to the embeddings; Seq2Seq-MoE's embeddings, used by both stacks,
-and each stack's relative position bias table, used by all its layers) get the sum of their copies' gradients.
-
-With `tp=...` every stage is also split over its tensor-parallel group (`parallelize`): TP x PP on a (pp, tp) mesh.
+docs/parallel.md draws the stages and the loss.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """`parallelize`: tensor parallelism + PPMoE expert parallelism on a built model, over any tensor-parallel group.
 
-It applies the model's own Transformers plan (`config.base_model_tp_plan`, `_tp_plan`), the same rules
-`from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))` applies, but on a group you choose: a
-sub-mesh of a (pp, tp) mesh for TP x PP, a trimmed pipeline stage, or a model you built or changed yourself:
-
-    attention           q/k/v colwise, o rowwise (heads split; one all-reduce of [T, H] each way); cross-
-                        attention alike, plus one all-reduce of the encoder output's gradient [S, H]
-    relative bias       T5's table [buckets, heads] split on the same heads ("head_sharded_bias"): each rank
-                        looks up the bias of its own heads, no communication
-    dense FFN, shared   gate/up colwise, down rowwise
-    MoE layer           PPMoE: whole experts split over the group, replicated router (expert_parallel.py)
-    embeddings / head   vocabulary split (embedding_rowwise / colwise_gather_output)
-
-Norms, routers and learned position embeddings stay whole (replicated) on every rank. Qwen3's per-head q/k norms
-("replicated_grad_sum") sit between the colwise projections and the attention, so they see only this rank's heads:
-their weights are replicated and their gradients, partial on each rank, summed over the group in every backward pass
-(two all-reduces of [head_dim]).
-
-Transformers' colwise rule turns its input into a replicated DTensor itself, so q, k and v (or gate and up) each
-all-reduce their input gradient: three (two) all-reduces of [T, H] in backward where Megatron has one. The
-"replicated_input" rule on the attention module (and "ppmoe_ffn" on the FFN slot, expert_parallel.py) makes the
-module's input that DTensor once, so autograd sums the partial gradients first and one all-reduce remains.
+It applies the model's own Transformers plan (`config.base_model_tp_plan`), the rules `from_pretrained(...,
+distributed_config=DistributedConfig(tp_size=N))` applies, on a group you choose (a sub-mesh of a (pp, tp) mesh, a
+pipeline stage, a model you changed): attention heads split (q/k/v colwise, o rowwise; T5's relative bias on the same
+heads), dense FFNs and shared experts colwise / rowwise, MoE layers PPMoE (expert_parallel.py), vocabulary split
+embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum" and
+"head_sharded_bias" are registered here; docs/parallel.md says what each saves.
 """
 
 from __future__ import annotations
