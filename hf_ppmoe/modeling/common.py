@@ -10,6 +10,7 @@ the folder, changed checksums, integer tensors for floating-point weights, and N
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib.util
 import os
@@ -202,6 +203,35 @@ def add_remote_code(folder: str | os.PathLike, model_class: type, config) -> Non
     write_remote_code(folder, [model_module, config_module])
 
 
+_LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")  # "layers.3.mlp" -> "layers.*.mlp", as Transformers' plan keys
+
+
+@contextlib.contextmanager
+def tied_head_kept(model):
+    """Ties a head that shares the input embeddings' weight again after the block, which may replace the embedding's
+    parameter object (tensor-parallel splitting does)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
+    yield
+    if tied:
+        head.weight = embeddings.weight
+
+
+class NoPositions(nn.Module):
+    """Stands in for learned position embeddings on a pipeline stage after the first (its input carries them)."""
+
+    def forward(self, position_ids):
+        return 0.0
+
+
+class LayerOfAnotherStage(nn.Module):
+    """Stands in for a decoder layer that another stage of Transformers' pipeline holds: the hidden states pass
+    through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return layer_outputs(hidden_states, None)
+
+
 class MoEPreTrainedModel(PreTrainedModel):
     """Base of both families: MoE weight init and an all-or-nothing, self-contained `save_pretrained`."""
 
@@ -225,6 +255,76 @@ class MoEPreTrainedModel(PreTrainedModel):
                 E, k = module.experts.num_experts, module.gate.top_k
                 inactive += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
         return self.num_parameters(exclude_embeddings=exclude_embeddings) - inactive
+
+    # Transformers' parallel hooks (`from_pretrained(distributed_config=...)`, and `hf_ppmoe.parallel.parallelize`
+    # on a built model). The plan styles our configs name ("ppmoe_ffn", ...) are registered by hf_ppmoe.parallel.
+
+    def init_parallel_plans(self) -> None:
+        """Transformers' plan merging, keeping only the rules that name a module or parameter of this model: the
+        configs list the rules of every layout a family can build (gated or plain FFN, biases, shared expert)."""
+        super().init_parallel_plans()
+        names = {_LAYER_NUMBER.sub(".*", n) for n, _ in [*self.named_modules(), *self.named_parameters()]}
+        self._tp_plan = {k: v for k, v in self._tp_plan.items() if k in names}
+        self._ep_plan = {k: v for k, v in self._ep_plan.items() if k in names}
+
+    def _resolve_parallel_plans(self, distributed_config):
+        """Transformers' resolved plans without the rules of tied duplicates (`lm_head.weight` when tied to the input
+        embeddings, which Transformers cannot look up once tied): the shared weight is split once, by the embedding's
+        rule, which splits the vocabulary as the head's rule would; the head keeps its forward rule."""
+        names = {n for n, _ in [*self.named_modules(), *self.named_parameters()]}
+        plans = super()._resolve_parallel_plans(distributed_config)
+        return tuple({k: v for k, v in plan.items() if k in names} for plan in plans)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Transformers' `maybe_distribute_model`, keeping a tied head tied; with `pp_size > 1` the GPT-MoE stage is
+        completed (`_fit_pipeline_stage`) and an encoder-decoder is refused (Transformers' stages cut the `layers` of
+        a decoder-only model)."""
+        pipeline = distributed_config is not None and distributed_config.pp_size > 1
+        if pipeline and model.config.is_encoder_decoder:
+            raise ValueError(
+                f"Transformers' pipeline parallelism (DistributedConfig(pp_size={distributed_config.pp_size})) cuts "
+                f"the decoder layers of a decoder-only model; {type(model).__name__} has an encoder and a decoder "
+                "stack. Use hf_ppmoe.parallel.Pipeline or `python -m hf_ppmoe.training --pp_size N`, which cut both "
+                "stacks."
+            )
+        with tied_head_kept(model):
+            model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if pipeline:
+            model._fit_pipeline_stage()
+        return model
+
+    def _fit_pipeline_stage(self) -> None:
+        """Completes a GPT-MoE stage of Transformers' pipeline parallelism (`DistributedConfig(pp_size=N)`).
+
+        Transformers keeps this rank's slice of `model.layers` and puts an identity that returns the hidden states
+        alone in place of the others; our layers also return their routing and router losses (`layer_outputs`), so
+        those identities become `LayerOfAnotherStage`. A stage after the first receives hidden states that already
+        carry the learned position embeddings and the embedding dropout, and drops its own. The stages pass
+        activations without gradients, so a forward in training is refused (on every rank, before any stage
+        communicates) instead of silently updating the last stage alone."""
+        base = self.model
+        for i, layer in enumerate(base.layers):
+            if isinstance(layer, nn.Identity):  # Transformers' PipelineIdentityLayer
+                base.layers[i] = LayerOfAnotherStage()
+        if not self._pp_stage.pp_is_first_stage:
+            base.dropout = nn.Identity()
+            if self.config.position_embedding_type == "learned":
+                base.embed_positions = NoPositions()
+        self.register_forward_pre_hook(_refuse_pipeline_training)
+
+    def _distributed_config_of_this_model(self, distributed_config):
+        """`config.distributed_config` where this model was split (`_device_mesh`, set by `parallelize` and
+        `from_pretrained(distributed_config=...)`), else None: a config shared with, or copied from, a split model
+        must not make a model that is whole gather or wait for other ranks when one rank saves it."""
+        return distributed_config if self._device_mesh is not None else None
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs):
+        distributed_config = self._distributed_config_of_this_model(distributed_config)
+        return super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
+
+    def barrier_after_gathered_checkpoint_save(self, distributed_config) -> None:
+        super().barrier_after_gathered_checkpoint_save(self._distributed_config_of_this_model(distributed_config))
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -291,3 +391,13 @@ class MoEPreTrainedModel(PreTrainedModel):
         result = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
         check_finite((stored[name][0], name, t) for name, t in model.state_dict().items() if name in stored)
         return result
+
+
+def _refuse_pipeline_training(model, args):
+    if model.training and torch.is_grad_enabled():
+        raise RuntimeError(
+            "Transformers' pipeline parallelism (DistributedConfig(pp_size=...)) runs inference only: its stages pass "
+            "activations without gradients, so the earlier stages would never learn. Call model.eval() or use "
+            "torch.no_grad(); to train with pipeline stages use hf_ppmoe.parallel.Pipeline or "
+            "`python -m hf_ppmoe.training --pp_size N`."
+        )

@@ -29,6 +29,7 @@ from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config  # noqa: E4
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration  # noqa: E402
 from hf_ppmoe.modeling.common import router_loss_weight  # noqa: E402
 from hf_ppmoe.parallel import Pipeline, count_collectives, init_distributed, make_mesh, parallelize  # noqa: E402
+from hf_ppmoe.parallel.modules import ExpertParallel  # noqa: E402
 
 JOBS: dict[str, list] = {"two": [], "four": []}
 LLAMA = {}
@@ -223,7 +224,7 @@ def transformers_entry_points():
             experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
             results[f"{family}/{name}"] = {
                 "steps": train_pair(model.train(), ref, lm_step, steps=1),
-                "ppmoe": all(getattr(e, "_ppmoe_group", None) is not None for e in experts),
+                "ppmoe": all(isinstance(e, ExpertParallel) and e.parallel_style == "ppmoe" for e in experts),
                 "local_experts": sorted({e.num_experts for e in experts}),
             }
     return results
