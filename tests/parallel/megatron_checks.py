@@ -1,4 +1,4 @@
-"""megatron-core models built by `hf_ppmoe.parallel.megatron` against `GPTMoEForCausalLM`, on CPU with gloo.
+"""megatron-core models built by `hf_ppmoe.parallel.megatron_plugin` against `GPTMoEForCausalLM`, on CPU with gloo.
 
     torchrun --nproc_per_node 2 megatron_checks.py RESULTS.json WORK_DIR
 
@@ -7,7 +7,7 @@ One launch (importing megatron-core costs ~20 s per process) runs three layouts 
 and records, per check, the largest absolute difference to the HF model; test_megatron_model.py asserts on them.
 A check that raises is recorded as its error message.
 
-Weights reach Megatron through `hf_ppmoe.conversion.megatron` (strict `load_state_dict`, so names and shapes must be
+Weights reach Megatron through `hf_ppmoe.conversion.megatron_checkpoint` (strict `load_state_dict`, so names and shapes must be
 exactly what megatron-core builds) and come back through it (Megatron's own random init -> HF model, same logits).
 Training checks run `GPTMoETrainStep` inside megatron-core's pipeline schedules and compare the gradients of every
 parameter with those of HF's loss (LM + aux + z), and the reported losses with HF's.
@@ -83,14 +83,14 @@ def ranks():
 def build(cfg, divisible_by=128):
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.parallel.megatron import model_provider
+    from hf_ppmoe.parallel.megatron_plugin import model_provider
 
     provider = model_provider(cfg, make_vocab_size_divisible_by=divisible_by, use_cpu_initialization=True)
     return provider(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
 
 
 def load(model, hf_state_dict, cfg, divisible_by=128):
-    from hf_ppmoe.conversion.megatron import to_megatron
+    from hf_ppmoe.conversion.megatron_checkpoint import to_megatron
 
     tp, pp = model.config.tensor_model_parallel_size, model.config.pipeline_model_parallel_size
     shards = to_megatron(hf_state_dict, cfg, tp=tp, pp=pp, make_vocab_size_divisible_by=divisible_by)
@@ -125,7 +125,7 @@ def check_logits(tag, name):
     record(f"{tag}/{name}/logits", lambda: max_diff(logits(model, ids)[..., : cfg.vocab_size], expected))
 
     def reverse():  # Megatron's own (random) weights -> HF: same logits
-        from hf_ppmoe.conversion.megatron import from_megatron
+        from hf_ppmoe.conversion.megatron_checkpoint import from_megatron
 
         torch.manual_seed(5)
         megatron_cpu.seed(5)
@@ -143,7 +143,7 @@ def check_checkpoint_file(tag, name, work_dir):
     """Megatron-LM's loader: file name from the parallel ranks, plain torch.load, strict load_state_dict."""
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.conversion.megatron import checkpoint_args, save_megatron_checkpoint, to_megatron
+    from hf_ppmoe.conversion.megatron_checkpoint import checkpoint_args, save_megatron_checkpoint, to_megatron
 
     cfg = config(name)
     hf = hf_model(cfg).eval()
@@ -206,8 +206,8 @@ def check_training(tag, name):
     """GPTMoETrainStep in megatron-core's schedule vs HF loss.backward(): every gradient and the reported losses."""
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.conversion.megatron import to_megatron
-    from hf_ppmoe.parallel.megatron import GPTMoETrainStep
+    from hf_ppmoe.conversion.megatron_checkpoint import to_megatron
+    from hf_ppmoe.parallel.megatron_plugin import GPTMoETrainStep
 
     cfg = config(name, vocab_size=96)  # no vocabulary padding: padded logits would join Megatron's softmax
     hf = hf_model(cfg).train()
@@ -250,7 +250,7 @@ def check_padded_eval(tag, name):
     """A right-padded batch through GPTMoETrainStep (evaluation): Megatron's LM loss = HF's, padding ignored."""
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.parallel.megatron import GPTMoETrainStep
+    from hf_ppmoe.parallel.megatron_plugin import GPTMoETrainStep
 
     cfg = config(name, vocab_size=96)
     hf = hf_model(cfg).eval()
