@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return cli(rest, prog="hf-ppmoe train")
     if command == "megatron":
-        from .conversion.megatron import main as megatron
+        from .conversion.megatron_checkpoint import main as megatron
 
         return megatron(rest, prog="hf-ppmoe megatron")
     if command == "demo":
