@@ -40,6 +40,7 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..modeling.common import router_loss_weight
 from ..moe.losses import router_loss
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
@@ -268,13 +269,14 @@ def forward_backward_step(run: Run, batch: dict) -> torch.Tensor:
     batch = {name: tensor.to(run.device) for name, tensor in batch.items()}
     targets = batch["labels"] if run.config.is_encoder_decoder else batch["labels"][:, 1:]
     run.no_target += ~(targets != -100).any()
+    weight = router_loss_weight(targets, batch.get("num_items_in_batch"))  # the model's weight of its router term
     with run.accelerator.autocast():
         out = run.model(**batch)
     run.accelerator.backward(out.loss)
     aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
     aux = aux.detach() if aux is not None else torch.zeros((), device=run.device)
     z = z.detach() if z is not None else torch.zeros((), device=run.device)
-    lm = out.loss.detach() - router_loss(run.config, aux, z)
+    lm = out.loss.detach() - weight * router_loss(run.config, aux, z)
     return torch.stack([lm, aux, z])
 
 
