@@ -135,7 +135,8 @@ def capability_table() -> str:
         dtypes = names(r.dtypes, lambda d: str(d).removeprefix("torch."))
         sm = names(r.sm_majors, lambda m: f"{m}.x")
         implementation = f"`{r.implementation}`" + (f" ({r.note})" if r.note else "")
-        lines.append(f"| {names(r.devices)} | {sm} | {dtypes} | {mode} | {grad} | {tokens} | {implementation} | {syncs} |")
+        cells = (names(r.devices), sm, dtypes, mode, grad, tokens, implementation, syncs)
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
