@@ -52,7 +52,8 @@ def build(family, gate, dtype):
         if family == "gpt":
             model = GPTMoEForCausalLM(tiny_gpt_config(**SIZES, **GATES[gate]))
         elif family == "gpt2-style":
-            model = GPTMoEForCausalLM(tiny_gpt_config(**SIZES, **{**GPT2_STYLE, "num_key_value_heads": 4}, **GATES[gate]))
+            config = tiny_gpt_config(**SIZES, **{**GPT2_STYLE, "num_key_value_heads": 4}, **GATES[gate])
+            model = GPTMoEForCausalLM(config)
         else:
             model = Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config(**SIZES, **GATES[gate]))
     return model.to(dtype)
