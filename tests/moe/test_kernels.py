@@ -35,8 +35,9 @@ def test_capability_table_rows():
         row = capability("cuda", sm, dtype, False, True, 512, 1024, True)
         assert (row.implementation, row.syncs) == ("index_loop", True), (sm, dtype)
         assert choose("cuda", dtype, grad=False, tokens=32, sm=sm) == "all_experts"
-        assert choose("cuda", dtype, compiled=True, grad=False, tokens=4096, sm=sm) == "all_experts"
-        assert choose("cuda", dtype, grad=False, tokens=4096, sm=sm) == "index_loop"
+        assert choose("cuda", dtype, compiled=True, grad=False, tokens=1024, sm=sm) == "all_experts"
+        assert choose("cuda", dtype, grad=False, tokens=65, sm=sm) == "index_loop"
+        assert choose("cuda", dtype, compiled=True, grad=False, tokens=1025, sm=sm) == "index_loop"
     # sizes off the 16-byte rule never reach the kernel
     assert choose("cuda", bf16, sm=(9, 0), aligned=False) == "index_loop"
     assert choose("cpu", fp32, aligned=False) == "index_loop"
