@@ -6,7 +6,8 @@ Every checkpoint's `trainer_state.json` (written last, when the checkpoint is co
     run_id        the run it belongs to: a fresh run draws one, a resumed run keeps its checkpoint's
     arguments     the run's TrainArguments, as JSON
     model_config  the model's config (the fields that decide its computation)
-    data          sha256 of the packed training blocks (the data, its tokenization and block size)
+    data          the training data's fingerprint (blocks.py: sha256 of the prepared blocks; streamed, of the
+                  source, tokenizer, block size and shuffle buffer)
     num_processes the processes that wrote it (each has its own RNG state, and with --tp_size / --pp_size its shards)
     changes       settings changed on earlier resumes with --allow_resume_changes, and at which step
     files         the size of every file in the checkpoint
@@ -26,12 +27,10 @@ Resuming compares them with the new run before anything is loaded:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from pathlib import Path
 
-import torch
 
 CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -41,7 +40,7 @@ STATE_FILE = "trainer_state.json"
 MAY_CHANGE_ON_RESUME = frozenset(
     """model_name_or_path config_name upcycle_from num_experts num_experts_per_tok router_type router_init
     expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
-    text_column output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
+    text_column data_cache_dir output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
     push_to_hub hub_model_id allow_resume_changes""".split()
 )
 LAYOUT = ("tp_size", "pp_size")  # with num_processes: how the checkpoint's states are split; never changed on resume
@@ -56,17 +55,33 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def run_record(args, model_config, blocks: torch.Tensor, num_processes: int, run_id: str) -> dict:
-    """What every checkpoint of this run records about it (see the module docstring)."""
+def run_record(args, model_config, data_fingerprint: str, num_processes: int, run_id: str) -> dict:
+    """What every checkpoint of this run records about it (see the module docstring); `data_fingerprint` is the
+    training data's (blocks.py)."""
     config = {k: v for k, v in model_config.to_dict().items() if k not in _CONFIG_LABELS}
     return {
         "run_id": run_id,
         "arguments": json.loads(args.to_json()),
         "model_config": json.loads(json.dumps(config, default=str)),
-        "data": hashlib.sha256(blocks.contiguous().numpy().tobytes()).hexdigest(),
+        "data": data_fingerprint,
         "num_processes": num_processes,
         "changes": [],
     }
+
+
+def data_state_file(folder: Path, process: int) -> Path:
+    return folder / f"data_state_{process}.json"
+
+
+def write_data_state(folder: Path, process: int, state: dict) -> None:
+    """A process's position in streamed data (nothing for prepared data, whose order is a function of the step)."""
+    if state:
+        data_state_file(folder, process).write_text(json.dumps(state))
+
+
+def read_data_state(folder: Path, process: int) -> dict:
+    file = data_state_file(folder, process)
+    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def write_state(folder: Path, step: int, record: dict) -> None:

@@ -52,27 +52,21 @@ from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
-from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
+from .checkpoints import (
+    CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, read_data_state, run_record,
+    write_data_state, write_state,
+)
 from .consistency import check_processes_agree
-from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .blocks import load_data
+from .data import Source, train_tokenizer
 from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
 
 
-def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
-    if args.train_file:
-        train = read_text_files(args.train_file, args.text_column)
-    elif args.dataset_name:
-        train = read_dataset(args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
-    else:
-        train = builtin_corpus()
-    validation = read_text_files(args.validation_file, args.text_column) if args.validation_file else None
-    if not train:
-        raise ValueError("The training data has no documents.")
-    return train, validation
+TOKENIZER_TRAINING_CHARACTERS = 20_000_000  # a tokenizer trained for a model from scratch reads this much text
 
 
-def load_tokenizer(args: TrainArguments, texts: list[str]):
+def load_tokenizer(args: TrainArguments):
     source = args.tokenizer_name or args.model_name_or_path or args.upcycle_from
     if source:
         try:
@@ -80,7 +74,20 @@ def load_tokenizer(args: TrainArguments, texts: list[str]):
         except (OSError, ValueError):
             if args.tokenizer_name:
                 raise
-    return train_tokenizer(texts)  # a model trained from scratch gets a BPE tokenizer fitted to its data
+    # a model trained from scratch gets a BPE tokenizer fitted to the first documents of its data
+    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+    characters = 0
+
+    def documents():
+        nonlocal characters
+        for batch in train.texts():
+            for text in batch:
+                yield text
+                characters += len(text)
+                if characters >= TOKENIZER_TRAINING_CHARACTERS:
+                    return
+
+    return train_tokenizer(documents())
 
 
 def build_model(args: TrainArguments, tokenizer):
@@ -127,19 +134,6 @@ def build_model(args: TrainArguments, tokenizer):
     return model
 
 
-def batch_indices(step: int, micro: int, process: int, args: TrainArguments, world: int, n_blocks: int) -> torch.Tensor:
-    """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
-    b = args.per_device_train_batch_size
-    start = (step * args.gradient_accumulation_steps + micro) * world * b + process * b
-    positions = torch.arange(start, start + b)
-    epochs, offsets = positions // n_blocks, positions % n_blocks
-    rows = torch.empty(b, dtype=torch.long)
-    for epoch in range(start // n_blocks, (start + b - 1) // n_blocks + 1):  # the epochs these b positions span
-        perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
-        rows[epochs == epoch] = perm[offsets[epochs == epoch]]
-    return rows
-
-
 SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
 
 
@@ -151,15 +145,16 @@ def sharded_state(model, optimizer, stage: int | None = None) -> dict:
     return state if stage is None else {f"stage_{stage}": state}
 
 
-def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, sharded=None) -> None:
+def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, data, sharded=None) -> None:
     """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
     (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step), with
-    the run's `record` (hf_ppmoe.training.checkpoints). sharded: (model, optimizer, pipeline stage or None) that
+    the run's `record` (hf_ppmoe.training.checkpoints) and every process's data position (streamed data). sharded: (model, optimizer, pipeline stage or None) that
     Accelerate does not hold (tensor / pipeline parallel), saved by every process."""
     final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
     with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
         (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
         accelerator.save_state(str(staging))
+        write_data_state(staging, accelerator.process_index, data.state_dict())
         if sharded is not None:
             dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
         accelerator.wait_for_everyone()
@@ -176,25 +171,23 @@ def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None
 
 
 @torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator, dp: DataParallel, pipe=None):
+def evaluate(model, data, args: TrainArguments, accelerator: Accelerator, dp: DataParallel, pipe=None):
     """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas (with
     `pipe`, `model` is its stage: the stages run forward one after another, the last one computes the loss)."""
     model.eval()
     # forward through the model itself, not its DDP wrapper: a replica may have fewer evaluation batches than another
     # (or none), and DDP's forward runs a collective (the buffer broadcast) that the others would never join
     forward = model if pipe is not None else accelerator.unwrap_model(model)
-    b = args.per_device_train_batch_size
-    batches = list(range(0, len(blocks), b))
-    if args.eval_batches:
-        batches = batches[: args.eval_batches]
-    mine = batches[dp.rank :: dp.size]
+    mine = [batch["input_ids"] for batch in data.validation_batches()]
     # a sharded model's forward is a collective of all data-parallel processes: one with fewer batches runs the
-    # others' extra forwards on its first batch (or the first one) and does not count them
-    rounds = -(-len(batches) // dp.size) if dp.sharded else len(mine)
+    # others' extra forwards on its first batch (or on zeros) and does not count them
+    rounds = torch.tensor(len(mine), device=accelerator.device)
+    if dp.sharded:
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX, group=dp.batch.get_group())
+    spare = mine[0] if mine else torch.zeros(args.per_device_train_batch_size, args.block_size, dtype=torch.long)
     total = torch.zeros(2, device=accelerator.device)
-    for r in range(rounds):
-        i = mine[r] if r < len(mine) else batches[0]
-        batch = blocks[i : i + b].to(accelerator.device)
+    for r in range(int(rounds)):
+        batch = (mine[r] if r < len(mine) else spare).to(accelerator.device)
         with accelerator.autocast():
             logits = forward(batch).logits if pipe is None else pipe.forward(batch)
         if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
@@ -233,24 +226,17 @@ def main(args: TrainArguments) -> dict:
     )
     set_seed(args.seed)
 
-    train_texts, val_texts = load_texts(args)
-    tokenizer = load_tokenizer(args, train_texts)
-    blocks = pack(train_texts, tokenizer, args.block_size)
-    if val_texts is not None:
-        val_blocks = pack(val_texts, tokenizer, args.block_size)
-    else:
-        n_val = max(1, len(blocks) // 20)
-        blocks, val_blocks = blocks[:-n_val], blocks[-n_val:]
-    if len(blocks) == 0:
-        raise ValueError(f"Not enough training text for one block of {args.block_size} tokens after holding out validation.")
+    tokenizer = load_tokenizer(args)
+    dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
+    # prepared once per node (the others map the same cache entry), or streamed: see blocks.py
+    data = load_data(args, tokenizer, dp.rank, dp.size, accelerator.local_main_process_first)
 
     model = build_model(args, tokenizer)
     args.check_model(model.config)
-    dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
     run_id = (saved or {}).get("run_id") or new_run_id()
-    record = run_record(args, model.config, blocks, accelerator.num_processes, run_id)
+    record = run_record(args, model.config, data.fingerprint, accelerator.num_processes, run_id)
     changes = check_resume(saved, record, args.allow_resume_changes) if saved else {}
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
@@ -277,6 +263,7 @@ def main(args: TrainArguments) -> dict:
         accelerator.load_state(str(checkpoint))
         if sharded is not None:
             load_sharded(checkpoint / SHARDED, *sharded)
+        data.load_state_dict(read_data_state(checkpoint, accelerator.process_index))
         start_step = resume_step
         accelerator.print(f"resumed from {checkpoint} at step {start_step}")
     # training starts: from here on the output folder's logs are this run's
@@ -298,8 +285,8 @@ def main(args: TrainArguments) -> dict:
     first_nonfinite = torch.zeros((), dtype=torch.long, device=accelerator.device)  # 0: none yet
     for step in bar:
         if pipe is not None:  # the micro-steps' rows in one batch, the pipeline's microbatches
-            rows = [batch_indices(step, m, dp.rank, args, dp.size, len(blocks)) for m in range(args.gradient_accumulation_steps)]
-            batch = blocks[torch.cat(rows)].to(accelerator.device)
+            rows = [data.batch(step, m)["input_ids"] for m in range(args.gradient_accumulation_steps)]
+            batch = torch.cat(rows).to(accelerator.device)
             with accelerator.autocast():
                 pipe.step(batch, batch)
             grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp, pipe)
@@ -310,7 +297,7 @@ def main(args: TrainArguments) -> dict:
             sums = torch.zeros(3, device=accelerator.device)  # lm, aux, z (means over micro-steps)
             grad_norm = None
             for micro in range(args.gradient_accumulation_steps):
-                batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
+                batch = data.batch(step, micro)["input_ids"].to(accelerator.device)
                 with accelerator.accumulate(model):
                     set_gradient_sync(model, accelerator.sync_gradients)  # FSDP: reduce on the last micro-step only
                     with accelerator.autocast():
@@ -362,10 +349,10 @@ def main(args: TrainArguments) -> dict:
             interval_start, clock = done, time.perf_counter()
         paused = time.perf_counter()  # evaluation and checkpoints do not count in the next interval's tokens/s
         if eval_now:
-            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp, pipe)
+            eval_metrics = evaluate(model, data, args, accelerator, dp, pipe)
             accelerator.log(eval_metrics, step=done)
         if save_now:
-            save_checkpoint(accelerator, args, done, record, sharded)
+            save_checkpoint(accelerator, args, done, record, data, sharded)
         clock += time.perf_counter() - paused
 
     accelerator.wait_for_everyone()
