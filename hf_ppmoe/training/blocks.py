@@ -257,7 +257,8 @@ class StreamedData:
             texts = next(self._texts, None)
             if texts is None:
                 if self.epoch_blocks == 0:
-                    raise _short(f"{self.source} (data-parallel rank {self.rank} of {self.world})", len(self.packer.carry), self.args.block_size)
+                    part = f" (the part of data-parallel rank {self.rank} of {self.world})" if self.world > 1 else ""
+                    raise _short(f"{self.source}{part}", len(self.packer.carry), self.args.block_size)
                 self.epoch, self.epoch_blocks = self.epoch + 1, 0
                 self.dataset.set_epoch(self.epoch)
                 self._texts = self.source.batches(self.dataset, TEXT_BATCH)
@@ -302,8 +303,14 @@ class StreamedData:
             blocks.extend(packer.add(ids))
             if wanted and len(blocks) >= wanted:
                 break
-        if not blocks and (self.validation_source or self.percentage):
-            raise _short(f"The validation data of {source}", tokens, self.args.block_size)
+        if not blocks and self.validation_source:
+            raise _short(f"The validation data {source}", tokens, self.args.block_size)
+        if not blocks and self.percentage:
+            raise ValueError(
+                f"The documents of {source} held out for validation (those whose CRC-32 % 100 < "
+                f"--validation_split_percentage {self.percentage}) make no block of --block_size {self.args.block_size} "
+                f"({tokens} tokens); raise --validation_split_percentage or pass --validation_file."
+            )
         return np.stack(blocks[:wanted]) if blocks else np.zeros((0, self.args.block_size), np.int32)
 
 
