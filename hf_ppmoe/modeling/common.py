@@ -1,17 +1,11 @@
-"""Pieces shared by both model families: norms, MoE loss aggregation, and the `save_pretrained` that makes a
-checkpoint folder self-contained for `trust_remote_code=True`.
+"""Pieces shared by both model families: norms, input checks, the loss (`model_loss`), and `MoEPreTrainedModel`
+with a guarded, self-contained `save_pretrained` / `from_pretrained`.
 
-Transformers' remote-code loader copies a model's modeling/configuration files and, recursively, only the files
-they import with `from .name import ...` from the same folder. Our modules live in a package tree
-(`hf_ppmoe/moe/...`, `hf_ppmoe/modeling/...`), so `save_pretrained` writes a flattened copy of every module the
-model needs (`hf_ppmoe/moe/layer.py` -> `moe_layer.py`, imports rewritten to `from .moe_layer import ...`) and the
-`auto_map` that points at them. The same code runs again from such a flattened folder, where names are already flat.
-It also writes `custom_generate/generate.py` (flat beam search), which Transformers picks up with
-`trust_remote_code=True`.
-
-Saving and loading are guarded (hf_ppmoe/utils): `save_pretrained` replaces its folder in one step and records the
-weights' SHA-256; loading refuses weight files outside the folder, checks those checksums, integer or boolean tensors
-where the model has floating-point ones, and NaN or infinity.
+Transformers' remote-code loader copies only the files a model's modules import with `from .name import ...`, so
+`save_pretrained` writes a flattened copy of every module the model needs (`hf_ppmoe/moe/layer.py` ->
+`moe_layer.py`, imports rewritten), the `auto_map` pointing at them, and `custom_generate/generate.py` (flat beam
+search). Saving replaces the folder in one step and records the weights' SHA-256; loading refuses weight files outside
+the folder, changed checksums, integer tensors for floating-point weights, and NaN or infinity (hf_ppmoe/utils).
 """
 
 from __future__ import annotations
@@ -33,6 +27,7 @@ from ..generation.flat_beam_search import generate as flat_beam_generate
 from ..moe.experts import Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
+from ..moe.losses import router_loss
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import (
     WEIGHT_FILE,
@@ -96,64 +91,59 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
     device (or break the graph) on every step, so there the embedding's own device-side index check stops a bad id."""
     if ids.device.type != "cpu" or torch.compiler.is_compiling() or ids.numel() == 0:
         return
-    low, high = ids.aminmax()  # one pass (~10 us per decoding step on CPU)
+    low, high = ids.aminmax()  # one pass
     if low.item() < 0 or high.item() >= limit:
         where = tuple(((ids < 0) | (ids >= limit)).nonzero()[0].tolist())
         raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
 
 
 def warn_if_no_targets(targets: torch.Tensor) -> None:
-    """The LM loss averages over the target tokens (labels other than -100); with none it is NaN. A warning, not an
-    error (a batch of padding can occur in a loop). An empty target shape is seen everywhere; labels that are all
-    -100 are looked for on CPU in eager mode only (elsewhere the host would wait for the device)."""
+    """Warn about a batch without a target token (labels all -100, or one-token sequences for a causal LM), whose
+    loss is 0 (`model_loss`). An empty target shape is seen everywhere; labels that are all -100 are looked for on
+    CPU in eager mode only (elsewhere the host would wait for the device)."""
     if targets.numel() and (targets.device.type != "cpu" or torch.compiler.is_compiling() or bool((targets != -100).any())):
         return
     warnings.warn(
         "No label in this batch is a target (every label is -100, or each sequence has a single token, which a causal "
-        "LM cannot predict from earlier ones): the LM loss has nothing to average and is NaN.",
+        "LM cannot predict from earlier ones): its loss is 0 and it gives no gradient.",
         stacklevel=3,
     )
 
 
-def layer_outputs(hidden_states: torch.Tensor, routing, attn_weights) -> tuple:
-    """A layer's outputs with its router losses as top-level tensors. Reentrant gradient checkpointing
-    (`use_reentrant=True`, what PEFT's k-bit preparation asks for) runs the layer without autograd and gives gradients
-    only to the tensors the layer returns directly: losses left inside the Routing would lose theirs.
-    `unpack_layer_outputs` puts them back."""
-    aux, z = (routing.aux_loss, routing.z_loss) if routing is not None else (None, None)
-    return hidden_states, aux, z, routing, attn_weights
+def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
+    """A layer's outputs: (hidden_states, aux_loss, z_loss), the losses None without a `Routing` or when they were
+    not computed. Top-level tensors, because reentrant gradient checkpointing (`use_reentrant=True`, what PEFT's
+    k-bit preparation asks for) runs the layer without autograd and gives gradients only to the tensors the layer
+    returns directly."""
+    if routing is None:
+        return hidden_states, None, None
+    return hidden_states, routing.aux_loss, routing.z_loss
 
 
-def unpack_layer_outputs(outputs: tuple) -> tuple:
-    """(hidden_states, Routing | None, attention weights) from `layer_outputs`."""
-    hidden_states, aux, z, routing, attn_weights = outputs
-    if routing is not None:
-        routing = routing._replace(aux_loss=aux, z_loss=z)
-    return hidden_states, routing, attn_weights
-
-
-def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Aux and z losses averaged over the MoE layers (so the coefficients do not depend on depth)."""
-    if not routings or routings[0].aux_loss is None:  # none, or computed without losses (inference)
-        return None, None
-    aux = torch.stack([r.aux_loss for r in routings]).mean()
-    z = torch.stack([r.z_loss for r in routings]).mean()
-    return aux, z
-
-
-def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor | float:
+def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
     """The weight of one forward's router losses in its `loss`: 1, or its share of the label tokens (`targets`, -100
-    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step.
+    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step; 0 for
+    a batch without a target.
 
-    Transformers' Trainer passes `num_items_in_batch` (all micro-batches of gradient accumulation, and all data-parallel
-    replicas unless `average_tokens_across_devices=False`), adds up the micro-batches' losses without dividing by the
-    accumulation steps, and multiplies each by the replica count, which the replicas' gradient averaging undoes. A
-    router loss added in full would so count once per micro-batch and replica; weighted by the token share, one step's
-    router losses add up to their token-weighted mean over micro-batches and replicas: the plain mean our own training
-    loop takes when every micro-batch holds as many label tokens, whatever the accumulation and replica counts."""
+    Transformers' Trainer adds up the losses of a step's micro-batches (and data-parallel replicas), each normalised
+    by `num_items_in_batch`: weighted by the token share, a step's router losses add up to their token-weighted mean
+    instead of counting once per micro-batch and replica."""
+    count = (targets != -100).sum()
     if num_items_in_batch is None:
-        return 1.0
-    return (targets != -100).sum() / num_items_in_batch
+        return (count > 0).float()
+    return count / torch.as_tensor(num_items_in_batch, device=count.device).clamp(min=1)
+
+
+def model_loss(lm_loss, targets, num_items_in_batch, config, aux_loss, z_loss) -> torch.Tensor:
+    """A model's `loss`: its LM loss plus the router term (`hf_ppmoe.moe.losses.router_loss`) weighted by
+    `router_loss_weight`. `targets`: the labels the LM loss predicts (-100 ignored).
+
+    A batch without a target (labels all -100, or one-token sequences for a causal LM) has loss 0 and gives no
+    gradient: the LM loss, an average over no tokens (NaN), is replaced by 0, and the router terms weigh 0. Such a
+    batch warns (`warn_if_no_targets`); training loops can count it."""
+    warn_if_no_targets(targets)
+    lm_loss = torch.where((targets != -100).any(), lm_loss, torch.zeros_like(lm_loss))
+    return lm_loss + router_loss_weight(targets, num_items_in_batch) * router_loss(config, aux_loss, z_loss)
 
 
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)

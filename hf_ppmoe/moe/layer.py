@@ -23,6 +23,8 @@ from .routing import Routing
 
 
 class MoELayer(nn.Module):
+    """Gate + experts (+ shared expert) for one FFN slot (see the module docstring); the gate is the config's
+    `router_type`, the experts' dispatch its `dispatch`."""
     def __init__(self, config):
         super().__init__()
         self.gate = get_gate_class(config.router_type)(config)

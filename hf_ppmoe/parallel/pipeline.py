@@ -134,7 +134,7 @@ class _LayerOfAnotherStage(nn.Module):
     through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
 
     def forward(self, hidden_states, *args, **kwargs):
-        return layer_outputs(hidden_states, None, None)
+        return layer_outputs(hidden_states, None)
 
 
 def fit_transformers_pipeline_stage(model) -> None:

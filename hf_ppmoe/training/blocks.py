@@ -1,4 +1,12 @@
-"""Training data as blocks of `block_size` token ids, for one data-parallel rank: `load_data(args, tokenizer, ...)`.
+"""The training loop's data: an object that hands each data-parallel process its blocks of `block_size` token ids,
+`load_data(args, tokenizer, rank, world, main_process_first)`. The loop asks only this (see `train.py`):
+
+    data.batch(step, micro) -> dict     model inputs of this process for (optimizer step, micro-step), on the CPU
+    data.validation_batches() -> list   this process's validation batches
+    data.state_dict() / load_state_dict(state)   the data position a checkpoint keeps ({} when the order is a pure
+                                        function of the seed and the step)
+    data.fingerprint                    what decides the batches (recorded in every checkpoint: a resume on other
+                                        data is refused)
 
 Documents (`data.Source`) are tokenized in batches with the fast tokenizer (its Rust threads encode a batch in
 parallel), joined with EOS and cut into blocks; a block may span documents, the remainder is dropped.
@@ -7,19 +15,16 @@ parallel), joined with EOS and cut into blocks; a block may span documents, the 
   (the files' paths, sizes and modification times or the dataset's fingerprint, the tokenizer, block size, text
   column, validation source) and memory-mapped by every process (`PackedData`); the next run with the same key
   reuses the entry. With several processes the main one of each node prepares it first and the others map the same
-  files. An entry is written into a temporary folder that takes its name only when complete
-  (`hf_ppmoe.utils.atomic`), so a run killed while preparing leaves nothing a later run would trust. The global
-  batch of step s is the s-th slice of per-epoch seeded permutations of the blocks (`batch_indices`), cut into
-  micro-batches and ranks. Validation: `--validation_file`, or the last `--validation_split_percentage` of blocks.
+  files (no process holds a copy in RAM). An entry is written into a temporary folder that takes its name only when
+  complete (`hf_ppmoe.utils.atomic`), so a run killed while preparing leaves nothing a later run would trust. The
+  global batch of step s is the s-th slice of per-epoch seeded permutations of the blocks, cut into micro-batches and
+  ranks (`batch_rows`). Validation: `--validation_file`, or the last `--validation_split_percentage` of the blocks.
 - Streamed (`--streaming`, `StreamedData`): each rank reads its part of the documents
   (`datasets.distributed.split_dataset_by_node`), packs them on the fly and draws blocks at random from a buffer of
   `--shuffle_buffer_size` blocks. Its state (the stream's `IterableDataset.state_dict()`, the tokens carried into the
   next block, the buffer and its random generator) is part of every checkpoint, so a resumed run reads exactly the
   blocks an uninterrupted one would. Validation: `--validation_file`, or the documents whose CRC-32 falls in the
   held-out percentage (the same documents whatever the order or the number of ranks).
-
-Both give `batch(step, micro)` ({"input_ids", "labels"} CPU tensors), `validation_batches()`, `state_dict()` /
-`load_state_dict()`, `num_blocks` and `fingerprint` (for the run record's resume checks).
 """
 
 from __future__ import annotations
@@ -43,15 +48,18 @@ TEXT_BATCH = 1000  # documents tokenized together
 FORMAT = 1  # the layout of a cache entry; a new layout makes new keys
 
 
-def batch_indices(step: int, micro: int, process: int, args, world: int, n_blocks: int) -> torch.Tensor:
-    """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
-    b = args.per_device_train_batch_size
-    start = (step * args.gradient_accumulation_steps + micro) * world * b + process * b
+def batch_rows(step: int, micro: int, process: int, world: int, batch_size: int, accumulation: int, seed: int,
+               n_blocks: int) -> torch.Tensor:
+    """Rows of `n_blocks` for (optimizer step, micro-step, data-parallel process): the global batch of step s is the
+    s-th slice of per-epoch seeded permutations, cut into micro-batches and processes. A pure function of its
+    arguments, so a resumed run reads exactly what an uninterrupted one would."""
+    b = batch_size
+    start = (step * accumulation + micro) * world * b + process * b
     positions = torch.arange(start, start + b)
     epochs, offsets = positions // n_blocks, positions % n_blocks
     rows = torch.empty(b, dtype=torch.long)
     for epoch in range(start // n_blocks, (start + b - 1) // n_blocks + 1):  # the epochs these b positions span
-        perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
+        perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         rows[epochs == epoch] = perm[offsets[epochs == epoch]]
     return rows
 
@@ -98,12 +106,11 @@ def _batch(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def _rank_batches(blocks, args, rank: int, world: int):
+def _rank_batches(blocks, args, rank: int, world: int) -> list[dict]:
     """This rank's validation batches: the first `eval_batches` batches of the blocks, dealt round-robin to ranks."""
     b = args.per_device_train_batch_size
     starts = list(range(0, len(blocks), b))[: args.eval_batches or None]
-    for start in starts[rank::world]:
-        yield _batch(torch.as_tensor(np.asarray(blocks[start : start + b]), dtype=torch.long))
+    return [_batch(torch.as_tensor(np.asarray(blocks[start : start + b]), dtype=torch.long)) for start in starts[rank::world]]
 
 
 # ---------------------------------------------------------------------------------------------------- prepared
@@ -180,11 +187,13 @@ class PackedData:
         self.fingerprint = hashlib.sha256(f"{info['train']['sha256']}:{n}".encode()).hexdigest()
 
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        rows = batch_indices(step, micro, self.rank, self.args, self.world, self.num_blocks)
+        a = self.args
+        rows = batch_rows(step, micro, self.rank, self.world, a.per_device_train_batch_size, a.gradient_accumulation_steps,
+                          a.seed, self.num_blocks)
         return _batch(torch.from_numpy(self.train[rows.numpy()]["input_ids"]).long())
 
-    def validation_batches(self):
-        yield from _rank_batches(_Column(self.validation), self.args, self.rank, self.world)
+    def validation_batches(self) -> list[dict]:
+        return _rank_batches(_Column(self.validation), self.args, self.rank, self.world)
 
     def state_dict(self) -> dict:
         return {}
@@ -286,10 +295,10 @@ class StreamedData:
         blocks = np.stack([self._block() for _ in range(self.args.per_device_train_batch_size)])
         return _batch(torch.from_numpy(blocks).long())
 
-    def validation_batches(self):
+    def validation_batches(self) -> list[dict]:
         if self._validation is None:
             self._validation = self._read_validation()
-        yield from _rank_batches(self._validation, self.args, self.rank, self.world)
+        return _rank_batches(self._validation, self.args, self.rank, self.world)
 
     def _read_validation(self) -> np.ndarray:
         """The first `eval_batches` batches of validation blocks (all with --eval_batches 0), read once."""

@@ -6,7 +6,7 @@ Every checkpoint's `trainer_state.json` (written last, when the checkpoint is co
     run_id        the run it belongs to: a fresh run draws one, a resumed run keeps its checkpoint's
     arguments     the run's TrainArguments, as JSON
     model_config  the model's config (the fields that decide its computation)
-    data          the training data's fingerprint (blocks.py: sha256 of the prepared blocks; streamed, of the
+    data          the training data's fingerprint (blocks.py: prepared, the blocks' sha256; streamed, that of the
                   source, tokenizer, block size and shuffle buffer)
     num_processes the processes that wrote it (each has its own RNG state, and with --tp_size / --pp_size its shards)
     changes       settings changed on earlier resumes with --allow_resume_changes, and at which step
@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import uuid
 from pathlib import Path
-
 
 CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -57,7 +56,7 @@ def new_run_id() -> str:
 
 def run_record(args, model_config, data_fingerprint: str, num_processes: int, run_id: str) -> dict:
     """What every checkpoint of this run records about it (see the module docstring); `data_fingerprint` is the
-    training data's (blocks.py)."""
+    training data's (`data.fingerprint`: what decides its batches)."""
     config = {k: v for k, v in model_config.to_dict().items() if k not in _CONFIG_LABELS}
     return {
         "run_id": run_id,
@@ -67,21 +66,6 @@ def run_record(args, model_config, data_fingerprint: str, num_processes: int, ru
         "num_processes": num_processes,
         "changes": [],
     }
-
-
-def data_state_file(folder: Path, process: int) -> Path:
-    return folder / f"data_state_{process}.json"
-
-
-def write_data_state(folder: Path, process: int, state: dict) -> None:
-    """A process's position in streamed data (nothing for prepared data, whose order is a function of the step)."""
-    if state:
-        data_state_file(folder, process).write_text(json.dumps(state))
-
-
-def read_data_state(folder: Path, process: int) -> dict:
-    file = data_state_file(folder, process)
-    return json.loads(file.read_text()) if file.is_file() else {}
 
 
 def write_state(folder: Path, step: int, record: dict) -> None:

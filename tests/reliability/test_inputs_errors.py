@@ -81,7 +81,7 @@ def test_inputs_labels_without_targets_warn(gpt, seq2seq):
     ]
     for model, inputs in cases:
         with pytest.warns(UserWarning, match="No label in this batch is a target"):
-            assert torch.isnan(model(**inputs).loss)
+            assert model(**inputs).loss == 0  # finite: it trains nothing (tests/modeling/test_no_target_batches.py)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an ordinary batch does not warn
         gpt(ids, labels=ids)

@@ -290,7 +290,7 @@ def test_streamed_run_killed_and_resumed_reads_the_uninterrupted_batches(shards,
     result = subprocess.run([sys.executable, "-c", KILLED_AFTER_STEP_5, *flags(run)], env=ENV, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == -9, result.stderr[-3000:]
-    assert (run / "checkpoints" / "step_4" / "data_state_0.json").is_file()
+    assert (run / "checkpoints" / "step_4" / "data_state_0.pt").is_file()
     main(HfArgumentParser(TrainArguments).parse_args_into_dataclasses(flags(run, resume="latest"))[0])
 
     def losses(out):
