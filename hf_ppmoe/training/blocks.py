@@ -186,6 +186,10 @@ class PackedData:
         self.num_blocks = n
         self.fingerprint = hashlib.sha256(f"{info['train']['sha256']}:{n}".encode()).hexdigest()
 
+    def __str__(self) -> str:
+        done = "prepared now" if self.prepared_here else "reused from the cache"
+        return f"{self.num_blocks} training blocks of {self.args.block_size} tokens in {self.entry} ({done})"
+
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
         a = self.args
         rows = batch_rows(step, micro, self.rank, self.world, a.per_device_train_batch_size, a.gradient_accumulation_steps,
@@ -236,6 +240,9 @@ class StreamedData:
         self.fingerprint = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
         self._validation = None
         self.load_state_dict({})
+
+    def __str__(self) -> str:
+        return f"blocks of {self.args.block_size} tokens streamed from {self.source}"
 
     def state_dict(self) -> dict:
         return {

@@ -214,7 +214,9 @@ def setup(args: TrainArguments) -> Run:
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
     # prepared once per node (the other processes map the same cache entry), or streamed: see blocks.py
+    clock = time.perf_counter()
     data = load_data(args, tokenizer, dp.rank, dp.size, accelerator.local_main_process_first)
+    accelerator.print(f"data: {data}, ready in {time.perf_counter() - clock:.1f} s")
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
     record = run_record(args, model.config, data.fingerprint, accelerator.num_processes,
