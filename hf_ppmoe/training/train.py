@@ -46,27 +46,17 @@ from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
-from .blocks import PackedBlocks
+from .blocks import load_data
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
-from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .data import Source, train_tokenizer
 from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
 
-def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
-    if args.train_file:
-        train = read_text_files(args.train_file, args.text_column)
-    elif args.dataset_name:
-        train = read_dataset(args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
-    else:
-        train = builtin_corpus()
-    validation = read_text_files(args.validation_file, args.text_column) if args.validation_file else None
-    if not train:
-        raise ValueError("The training data has no documents.")
-    return train, validation
+TOKENIZER_TRAINING_CHARACTERS = 20_000_000  # a tokenizer trained for a model from scratch reads this much text
 
 
-def load_tokenizer(args: TrainArguments, texts: list[str]):
+def load_tokenizer(args: TrainArguments):
     source = args.tokenizer_name or args.model_name_or_path or args.upcycle_from
     if source:
         try:
@@ -74,7 +64,19 @@ def load_tokenizer(args: TrainArguments, texts: list[str]):
         except (OSError, ValueError):
             if args.tokenizer_name:
                 raise
-    return train_tokenizer(texts)  # a model trained from scratch gets a BPE tokenizer fitted to its data
+    # a model trained from scratch gets a BPE tokenizer fitted to the first documents of its data
+    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+
+    def documents():
+        characters = 0
+        for batch in train.texts():
+            for text in batch:
+                yield text
+                characters += len(text)
+                if characters >= TOKENIZER_TRAINING_CHARACTERS:
+                    return
+
+    return train_tokenizer(documents())
 
 
 def build_model(args: TrainArguments, tokenizer):
@@ -119,20 +121,6 @@ def build_model(args: TrainArguments, tokenizer):
             "use the model's own tokenizer (--tokenizer_name) or resize the embeddings first."
         )
     return model
-
-
-def prepare_data(args: TrainArguments, tokenizer, texts: list[str], validation: list[str] | None, dp: DataParallel):
-    """The batches of this data-parallel process (`blocks.PackedBlocks`); 5% of the blocks held out for validation
-    when no validation file is given."""
-    blocks = pack(texts, tokenizer, args.block_size)
-    if validation is not None:
-        val_blocks = pack(validation, tokenizer, args.block_size)
-    else:
-        n_val = max(1, len(blocks) // 20)
-        blocks, val_blocks = blocks[:-n_val], blocks[-n_val:]
-    if len(blocks) == 0:
-        raise ValueError(f"Not enough training text for one block of {args.block_size} tokens after holding out validation.")
-    return PackedBlocks(blocks, val_blocks, args, dp.rank, dp.size)
 
 
 def accelerate_fsdp_request(args: TrainArguments, world_size: int) -> str | None:
@@ -222,12 +210,14 @@ def setup(args: TrainArguments) -> Run:
         accelerator.print(fsdp_note)
     set_seed(args.seed)
 
-    train_texts, val_texts = load_texts(args)
-    tokenizer = load_tokenizer(args, train_texts)
+    tokenizer = load_tokenizer(args)
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
-    data = prepare_data(args, tokenizer, train_texts, val_texts, dp)
+    # prepared once per node (the other processes map the same cache entry), or streamed: see blocks.py
+    clock = time.perf_counter()
+    data = load_data(args, tokenizer, dp.rank, dp.size, accelerator.local_main_process_first)
+    accelerator.print(f"data: {data}, ready in {time.perf_counter() - clock:.1f} s")
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
     record = run_record(args, model.config, data.fingerprint, accelerator.num_processes,
@@ -322,7 +312,7 @@ def evaluate(run: Run) -> dict:
         rounds = -(-total_batches // dp.size)
     total = torch.zeros(2, device=run.device)
     for r in range(rounds):
-        batch = mine[r] if r < len(mine) else (mine or [run.data.batch(0, 0)])[0]  # extra forwards are not counted
+        batch = mine[r] if r < len(mine) else (mine or [spare_batch(run)])[0]  # extra forwards are not counted
         input_ids, labels = batch["input_ids"].to(run.device), batch["labels"].to(run.device)
         with run.accelerator.autocast():
             logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
@@ -338,6 +328,12 @@ def evaluate(run: Run) -> dict:
     model.train()
     loss = (total[0] / total[1].clamp(min=1)).item()
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def spare_batch(run: Run) -> dict:
+    """A batch of the training shape for forwards that are not counted (not read from the data: a stream would move)."""
+    ids = torch.zeros(run.args.per_device_train_batch_size, run.args.block_size, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
 
 
 def log_metrics(run: Run, done: int, interval: torch.Tensor, steps: int, grad_norm, seconds: float) -> dict:
