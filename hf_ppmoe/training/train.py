@@ -51,6 +51,7 @@ from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
+from ..utils.model_card import training_card, write_card
 from .arguments import TrainArguments
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
@@ -379,11 +380,15 @@ def main(args: TrainArguments) -> dict:
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         tokenizer.save_pretrained(output_dir)
+        write_card(output_dir, training_card(
+            unwrapped, name=output_dir.resolve().name, source=args.model_name_or_path or args.upcycle_from,
+            datasets=[args.dataset_name], evaluation=eval_metrics,
+        ))
         if args.plots:
             plot_training(output_dir / "logs" / "metrics.jsonl", output_dir / "plots")
     accelerator.end_training()
     if args.push_to_hub and accelerator.is_main_process:
-        push(unwrapped, tokenizer, args)
+        push(args)
     if eval_metrics:
         accelerator.print(
             f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
@@ -393,11 +398,15 @@ def main(args: TrainArguments) -> dict:
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
 
-def push(model, tokenizer, args: TrainArguments) -> None:
+def push(args: TrainArguments) -> None:
+    """Upload the output folder as it was saved (model, tokenizer, model card, logs and plots; not the checkpoints)."""
+    from huggingface_hub import HfApi
+
     repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
     try:
-        model.push_to_hub(repo_id)
-        tokenizer.push_to_hub(repo_id)
+        api = HfApi()
+        repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
+        api.upload_folder(repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoints/*", ".*"])
     except Exception as error:  # network, authentication, offline mode: say what to do
         raise RuntimeError(
             f"Pushing to the Hub repository {repo_id!r} failed ({type(error).__name__}: {error}). The trained model is "
