@@ -16,9 +16,12 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import torch
+
+from .blocks import batch_rows
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -97,51 +100,76 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 class PairData:
     """Training and validation pairs, tokenized, served by (optimizer step, micro-step) to one data-parallel process
-    (see the module docstring)."""
+    (see the module docstring); the interface of `blocks.py`."""
 
-    def __init__(self, train, validation, *, pad_token_id: int, batch_size: int, accumulation: int, seed: int,
-                 rank: int = 0, world: int = 1, eval_batches: int = 0):
+    def __init__(self, train, validation, args, pad_token_id: int, rank: int = 0, world: int = 1):
         if len(train) == 0:
             raise ValueError("The training data has no pairs.")
-        self.train, self.validation, self.pad = train, validation, pad_token_id
-        self.batch_size, self.accumulation, self.seed, self.rank, self.world = batch_size, accumulation, seed, rank, world
-        self.eval_batches = eval_batches
+        self.train, self.validation, self.args, self.pad, self.rank, self.world = train, validation, args, pad_token_id, rank, world
         self._label_lengths = torch.tensor([len(labels) for labels in train["labels"]])
+        self.tokens_per_row = sum(map(len, train["input_ids"])) / len(train) + float(self._label_lengths.float().mean())
+        digest = hashlib.sha256()
+        for column in ("input_ids", "labels"):
+            for chunk in train.data.table.column(column).chunks:
+                digest.update(chunk.offsets.to_numpy().tobytes() + chunk.flatten().to_numpy().tobytes())
+        self.fingerprint = digest.hexdigest()
 
-    def rows(self, step: int, micro: int, rank: int) -> torch.Tensor:
-        """Indices of the training pairs of (step, micro-step, data-parallel process): consecutive slices of seeded
-        permutations, one per epoch."""
-        b, n = self.batch_size, len(self.train)
-        start = ((step * self.accumulation + micro) * self.world + rank) * b
-        positions = torch.arange(start, start + b)
-        epochs, offsets = positions // n, positions % n
-        rows = torch.empty(b, dtype=torch.long)
-        for epoch in range(start // n, (start + b - 1) // n + 1):
-            perm = torch.randperm(n, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch))
-            rows[epochs == epoch] = perm[offsets[epochs == epoch]]
-        return rows
+    def _rows(self, step: int, micro: int, rank: int) -> torch.Tensor:
+        a = self.args
+        return batch_rows(step, micro, rank, self.world, a.per_device_train_batch_size, a.gradient_accumulation_steps,
+                          a.seed, len(self.train))
 
     def batch(self, step: int, micro: int) -> dict[str, torch.Tensor]:
-        everyone = [self.rows(step, m, r) for m in range(self.accumulation) for r in range(self.world)]
+        a = self.args
+        everyone = [self._rows(step, m, r) for m in range(a.gradient_accumulation_steps) for r in range(self.world)]
         tokens = self._label_lengths[torch.cat(everyone)].sum()
-        batch = collate(self.train.select(self.rows(step, micro, self.rank).tolist()), self.pad)
-        batch["num_items_in_batch"] = tokens / (self.accumulation * self.world)
+        batch = collate(self.train.select(self._rows(step, micro, self.rank).tolist()), self.pad)
+        batch["num_items_in_batch"] = tokens / (a.gradient_accumulation_steps * self.world)
         return batch
 
     def validation_batches(self) -> list[dict[str, torch.Tensor]]:
         """This process's share of the validation batches (every world-th, from its rank)."""
-        starts = list(range(0, len(self.validation), self.batch_size))
-        starts = starts[: self.eval_batches] if self.eval_batches else starts
-        return [collate(self.validation.select(range(i, min(i + self.batch_size, len(self.validation)))), self.pad)
-                for i in starts[self.rank :: self.world]]
+        b, n = self.args.per_device_train_batch_size, len(self.validation)
+        starts = list(range(0, n, b))
+        starts = starts[: self.args.eval_batches] if self.args.eval_batches else starts
+        return [collate(self.validation.select(range(i, min(i + b, n))), self.pad) for i in starts[self.rank :: self.world]]
 
     def state_dict(self) -> dict:
-        return {"seed": self.seed, "pairs": len(self.train)}
+        return {}  # the batches are a pure function of the seed and the step
 
     def load_state_dict(self, state: dict) -> None:
-        if state != self.state_dict():
-            raise ValueError(f"The checkpoint's data ({state}) is not this run's ({self.state_dict()}): resume with the "
-                             "same pairs and --seed.")
+        pass
+
+
+def load_pairs(args):
+    """(training pairs, validation pairs) of a run: its files or dataset, or the built-in standard-library task.
+    Without validation files, every 20th training pair is held out."""
+    import datasets
+
+    from .stdlib_task import stdlib_pairs
+
+    columns = dict(source_column=args.source_column, target_column=args.target_column, source_lang=args.source_lang,
+                   target_lang=args.target_lang)
+    if args.train_file or args.dataset_name:
+        train = read_pairs(args.train_file, args.dataset_name, split=args.dataset_split, config_name=args.dataset_config_name,
+                           **columns)
+    else:
+        train, validation = stdlib_pairs()
+        return (datasets.Dataset.from_list([{"source": p["source"], "target": p["target"]} for p in rows])
+                for rows in (train, validation))
+    if args.validation_file:
+        return train, read_pairs(args.validation_file, **columns)
+    held_out = [i for i in range(len(train)) if i % 20 == 19]
+    return train.select(sorted(set(range(len(train))) - set(held_out))), train.select(held_out)
+
+
+def pair_data(args, tokenizer, train, validation, dp) -> PairData:
+    def tokens(pairs):
+        return tokenize_pairs(pairs, tokenizer, args.max_source_length, args.max_target_length)
+
+    data = PairData(tokens(train), tokens(validation), args, tokenizer.pad_token_id, dp.rank, dp.size)
+    data.validation_pairs = validation  # the texts, for generation metrics
+    return data
 
 
 @torch.no_grad()
@@ -164,7 +192,7 @@ def generation_metrics(model, tokenizer, pairs, *, num_beams: int = 4, max_new_t
         generated = model.generate(
             input_ids=batch["input_ids"].to(device), attention_mask=batch["attention_mask"].to(device),
             custom_generate=flat_beam_search, num_beams=num_beams, max_new_tokens=max_new_tokens, do_sample=False,
-            early_stopping=True, no_repeat_ngram_size=3,
+            early_stopping=True,
         )
         outputs += tokenizer.batch_decode(generated, skip_special_tokens=True)
     model.train(was_training)

@@ -37,7 +37,7 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..moe.losses import router_loss
@@ -50,10 +50,21 @@ from .blocks import PackedBlocks
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .pairs import generation_metrics, load_pairs, pair_data
 from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
 
+def is_seq2seq(args: TrainArguments) -> bool:
+    """Whether the model to train is an encoder-decoder (then the data are (source, target) pairs: pairs.py)."""
+    source = args.model_name_or_path or args.config_name or args.upcycle_from
+    return bool(source) and bool(getattr(AutoConfig.from_pretrained(source), "is_encoder_decoder", False))
+
+
 def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
+    pairs = [p for p in args.train_file or [] if p.endswith((".csv", ".parquet"))]
+    if pairs:
+        raise ValueError(f"{pairs[0]}: .csv / .parquet files hold (source, target) pairs for an encoder-decoder; a causal "
+                         "LM trains on .txt or .jsonl text.")
     if args.train_file:
         train = read_text_files(args.train_file, args.text_column)
     elif args.dataset_name:
@@ -80,8 +91,10 @@ def load_tokenizer(args: TrainArguments, texts: list[str]):
 def build_model(args: TrainArguments, tokenizer):
     """Our GPT-MoE (loaded, from a config, upcycled, or the default small one), or any Transformers causal LM (a
     dense baseline trained by the same script; it simply has no router metrics)."""
+    seq2seq = is_seq2seq(args)
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     if args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        model = auto.from_pretrained(args.model_name_or_path)
     elif args.upcycle_from:
         from ..conversion import upcycle
 
@@ -94,11 +107,13 @@ def build_model(args: TrainArguments, tokenizer):
             noise_std=args.expert_noise_std,
             seed=args.seed,
         )
-    elif args.config_name:  # any causal-LM config.json (model_type decides the class), with the tokenizer's ids
+    elif args.config_name:  # any causal-LM or seq2seq config.json (model_type decides the class), the tokenizer's ids
         config = AutoConfig.from_pretrained(args.config_name)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             setattr(config, name, getattr(tokenizer, name))
-        model = AutoModelForCausalLM.from_config(config)
+        if seq2seq:
+            config.decoder_start_token_id = tokenizer.pad_token_id  # T5's convention
+        model = auto.from_config(config)
     else:
         model = GPTMoEForCausalLM(
             GPTMoEConfig(
@@ -107,11 +122,6 @@ def build_model(args: TrainArguments, tokenizer):
                 num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok, router_type=args.router_type,
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
             )
-        )
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(model).__name__} is an encoder-decoder; this script trains causal LMs on packed text. Fine-tune "
-            "Seq2Seq-MoE with transformers' Seq2SeqTrainer on (source, target) pairs."
         )
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
@@ -222,12 +232,13 @@ def setup(args: TrainArguments) -> Run:
         accelerator.print(fsdp_note)
     set_seed(args.seed)
 
-    train_texts, val_texts = load_texts(args)
-    tokenizer = load_tokenizer(args, train_texts)
+    seq2seq = is_seq2seq(args)
+    train_texts, val_texts = load_pairs(args) if seq2seq else load_texts(args)
+    tokenizer = load_tokenizer(args, [*train_texts["source"], *train_texts["target"]] if seq2seq else train_texts)
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
-    data = prepare_data(args, tokenizer, train_texts, val_texts, dp)
+    data = (pair_data if seq2seq else prepare_data)(args, tokenizer, train_texts, val_texts, dp)
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
     record = run_record(args, model.config, data.fingerprint, accelerator.num_processes,
@@ -324,11 +335,15 @@ def evaluate(run: Run) -> dict:
         batch = mine[r] if r < len(mine) else (mine or [run.data.batch(0, 0)])[0]  # extra forwards are not counted
         input_ids, labels = batch["input_ids"].to(run.device), batch["labels"].to(run.device)
         with run.accelerator.autocast():
-            logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
+            if run.config.is_encoder_decoder:  # the decoder reads the labels shifted right
+                logits = forward(input_ids, attention_mask=batch["attention_mask"].to(run.device), labels=labels).logits
+            else:
+                logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
         if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
             continue
         logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
-        logits, labels = logits[:, :-1], labels[:, 1:]
+        if not run.config.is_encoder_decoder:
+            logits, labels = logits[:, :-1], labels[:, 1:]
         total[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
         total[1] += (labels != -100).sum()
     if pipe is not None:
@@ -351,7 +366,8 @@ def log_metrics(run: Run, done: int, interval: torch.Tensor, steps: int, grad_no
     no_target = int(dp.reduce(run.no_target))
     run.no_target.zero_()
     args = run.args
-    tokens = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size * steps
+    per_row = getattr(run.data, "tokens_per_row", args.block_size)  # pairs: their mean source + target length
+    tokens = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * per_row * steps
     metrics = {
         "train/lm_loss": lm, "train/aux_loss": aux, "train/z_loss": z, "train/grad_norm": grad_norm.item(),
         "train/lr": run.scheduler.get_last_lr()[0], "train/tokens_per_second": tokens / seconds,
@@ -414,10 +430,26 @@ def train(args: TrainArguments) -> dict:
         accelerator.print(
             f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
             f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out data, router losses excluded)"
+            + (f"; chrF {eval_metrics['eval/chrf']:.2f}, BLEU {eval_metrics['eval/bleu']:.2f} (flat beam search)"
+               if "eval/chrf" in eval_metrics else "")
         )
     output_dir = Path(args.output_dir)
     accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
+
+
+def generate_and_score(model, run: Run) -> dict:
+    """chrF and BLEU of the final model's outputs (GShard flat beam search) for the first generation_eval_pairs
+    validation pairs, and a few of them as samples (logs/samples.jsonl)."""
+    args, pairs = run.args, run.data.validation_pairs
+    pairs = pairs.select(range(min(args.generation_eval_pairs or len(pairs), len(pairs))))
+    scores, outputs = generation_metrics(model, run.tokenizer, pairs, num_beams=args.generation_num_beams,
+                                         max_new_tokens=args.max_target_length, max_source_length=args.max_source_length,
+                                         batch_size=args.per_device_train_batch_size)
+    with open(Path(args.output_dir, "logs", "samples.jsonl"), "w") as f:
+        for pair, output in list(zip(pairs, outputs))[:8]:
+            f.write(json.dumps({"source": pair["source"], "target": pair["target"], "generated": output}) + "\n")
+    return scores
 
 
 def finish(run: Run, evaluation: dict) -> None:
@@ -435,6 +467,9 @@ def finish(run: Run, evaluation: dict) -> None:
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         run.tokenizer.save_pretrained(output_dir)
+        if unwrapped.config.is_encoder_decoder:  # chrF / BLEU of flat-beam-search outputs, on the whole final model
+            evaluation.update(generate_and_score(unwrapped, run))
+            accelerator.log(evaluation, step=args.max_steps)
         write_card(output_dir, training_card(
             unwrapped, name=output_dir.resolve().name, source=args.model_name_or_path or args.upcycle_from,
             datasets=[args.dataset_name], evaluation=evaluation,
