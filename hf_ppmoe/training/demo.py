@@ -57,11 +57,14 @@ class DemoArguments:
     seed: int = field(default=0, metadata={"help": "Random seed."})
     evaluations: int = field(default=5, metadata={"help": "Held-out evaluations per training run (evenly spaced, the last at its end)."})
     quick: bool = field(default=False, metadata={"help": "Tiny models and a few steps: every stage in seconds (a check, not a result)."})
+    seq2seq: bool = field(default=False, metadata={"help": "The seq2seq demo instead: MoE vs dense Seq2Seq models trained on "
+                                                   "the standard library's functions -> docstrings (steps: --finetune_steps)."})
+    eval_pairs: int = field(default=100, metadata={"help": "--seq2seq: held-out pairs generated for chrF / BLEU."})
 
     def __post_init__(self):
         """Refuse sizes that cannot work, naming the flag (before anything is trained)."""
         for name in ("dense_steps", "finetune_steps", "seeds", "batch_size", "hidden_size", "num_layers", "num_experts",
-                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations"):
+                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations", "eval_pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.block_size < 8:
@@ -79,7 +82,7 @@ class DemoArguments:
 
 
 QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2,
-             num_experts=4, num_beams=2, evaluations=2)
+             num_experts=4, num_beams=2, evaluations=2, eval_pairs=4)
 
 
 def _train(args: DemoArguments, root: Path, out: str, steps: int, seed: int, logging_steps: int, **model) -> dict:
@@ -170,6 +173,10 @@ def _millions(n: int) -> str:
 def run_demo(args: DemoArguments) -> Path:
     if args.quick:
         args = dataclasses.replace(args, **QUICK)
+    if args.seq2seq:
+        from .demo_seq2seq import run_seq2seq_demo
+
+        return run_seq2seq_demo(args)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     start, load = time.perf_counter(), os.getloadavg()
