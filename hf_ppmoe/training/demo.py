@@ -250,7 +250,8 @@ def run_demo(args: DemoArguments) -> Path:
     print(f"[5/7] generating with flat beam search ({args.num_beams} beams)")
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     new_tokens = min(30, args.block_size - prompt.shape[1])  # the model has block_size positions
-    kw = dict(num_beams=args.num_beams, max_new_tokens=new_tokens, repetition_penalty=1.3,
+    # no 3 tokens twice: the continuation cannot loop (a penalty on repeated tokens alone let it emit 29 newlines)
+    kw = dict(num_beams=args.num_beams, max_new_tokens=new_tokens, no_repeat_ngram_size=3, min_new_tokens=new_tokens,
               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     flat = moe.generate(prompt, custom_generate=flat_beam_search, **kw)
     same = torch.equal(flat, moe.generate(prompt, **kw))
@@ -350,7 +351,7 @@ parameters, has seen the training set {epochs:.2g} times ({args.dense_steps + ar
 held-out perplexity is {perplexity:.0f} (exp of {results['moe'][0]:.4f}): on average it is as unsure of the next token
 as a uniform choice among {perplexity:.0f}. That is enough to pick up frequent words, markup and code fragments of the
 corpus, not to follow a thought, and beam search, which returns the most probable continuation, tends to favour generic
-and repeated phrases (repetition_penalty=1.3 keeps it from looping).
+and repeated phrases; no_repeat_ngram_size=3 (no three tokens twice) keeps it from looping.
 
 ## Merging back into GPT-2
 

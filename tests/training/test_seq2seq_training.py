@@ -24,12 +24,15 @@ WORDS = "alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega retu
 def pairs(tmp_path_factory):
     """80 (source, target) pairs, long enough that every one is cut to the same token lengths (12 / 8): the batches
     of one process and of two hold the same tokens in the same places, as packed blocks do for GPT-MoE; and tiny
-    Seq2Seq-MoE configs (GShard gate with capacity) with 1 and 2 router groups."""
+    Seq2Seq-MoE configs (GShard gate with capacity) with 1 and 2 router groups, and a tokenizer fitted once (every
+    run reads the same one)."""
     root, rng = tmp_path_factory.mktemp("pairs"), random.Random(0)
-    with open(root / "pairs.jsonl", "w") as f:
-        for i in range(80):
-            source = f"def f{i}(" + ", ".join(rng.choices(WORDS, k=12)) + "): return " + " + ".join(rng.choices(WORDS, k=12))
-            f.write(json.dumps({"code": source, "doc": "Compute the " + " ".join(rng.choices(WORDS, k=14)) + "."}) + "\n")
+    rows = []
+    for i in range(80):
+        source = f"def f{i}(" + ", ".join(rng.choices(WORDS, k=12)) + "): return " + " + ".join(rng.choices(WORDS, k=12))
+        rows.append({"code": source, "doc": "Compute the " + " ".join(rng.choices(WORDS, k=14)) + "."})
+    (root / "pairs.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    train_tokenizer([text for row in rows for text in row.values()], vocab_size=300).save_pretrained(root / "tokenizer")
     for groups in (1, 2):
         Seq2SeqMoEConfig(
             vocab_size=2048, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -43,7 +46,7 @@ def pairs(tmp_path_factory):
 def flags(root, out, steps=4, groups=1, **extra):
     values = dict(
         train_file=str(root / "pairs.jsonl"), source_column="code", target_column="doc",
-        config_name=str(root / f"config_g{groups}.json"), output_dir=str(out), max_steps=steps,
+        config_name=str(root / f"config_g{groups}.json"), tokenizer_name=str(root / "tokenizer"), output_dir=str(out), max_steps=steps,
         per_device_train_batch_size=8, max_source_length=12, max_target_length=8, eval_steps=2, eval_batches=1,
         generation_eval_pairs=4, generation_num_beams=2, learning_rate=3e-3, warmup_steps=1, plots=False,
         max_grad_norm=0.5, adam_epsilon=1e-4,
