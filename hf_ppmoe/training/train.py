@@ -263,7 +263,7 @@ def setup(args: TrainArguments) -> Run:
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
     run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, pipe,
-              sharded, changes=changes)
+              sharded=sharded, changes=changes)  # by name: no_target is the field after pipe
     if checkpoint is not None:
         load_checkpoint(run, checkpoint)
         run.start_step = resume_step
