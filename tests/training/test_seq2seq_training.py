@@ -68,7 +68,7 @@ def runs(pairs, tmp_path_factory):
     root = tmp_path_factory.mktemp("seq2seq_runs")
     one_process(pairs, root / "reference", steps=4, checkpointing_steps=2)
     one_process(pairs, root / "reference_g2", steps=3, groups=2)
-    fsdp = dict(steps=3, groups=2, per_device_train_batch_size=4, fsdp_size=2)
+    fsdp = dict(steps=3, per_device_train_batch_size=4, fsdp_size=2)  # each process: one group of its 4 pairs
     killed = flags(pairs, root / "fsdp_killed", checkpointing_steps=1, **fsdp)
     status = launch_and_kill(2, killed, stop_step=2, log_dir=root)
     (root / "killed_status.json").write_text(json.dumps({"status": status, "logged": sorted(train_losses(root / "fsdp_killed"))}))
