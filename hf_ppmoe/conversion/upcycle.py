@@ -360,6 +360,7 @@ def upcycle(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         progress=progress,
+        conversion="upcycle",
         tokenizer=tokenizer,
     )
 
@@ -396,6 +397,7 @@ def import_moe(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         progress=progress,
+        conversion="import",
     )
 
 
