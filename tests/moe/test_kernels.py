@@ -140,7 +140,7 @@ def test_empty_experts_and_sentinel_tails_get_exact_zero_gradients_whatever_the_
 def test_transformers_grouped_mm_dispatch_falls_back_instead_of_crashing(hidden, inner, dtype):
     """`dispatch="grouped_mm"` (Transformers' kernel on our weights) at sizes and dtypes the kernel refuses (rows
     off its 16-byte rule, float64) runs the table's fallback, with the index dispatch's numbers."""
-    sizes = dict(hidden_size=hidden, intermediate_size=inner, num_attention_heads=2, num_key_value_heads=2)
+    sizes = dict(hidden_size=hidden, intermediate_size=inner, num_attention_heads=1, num_key_value_heads=1)
     layer = MoELayer(tiny_gpt_config(**sizes, dispatch="grouped_mm")).to(dtype).train()
     reference = MoELayer(tiny_gpt_config(**sizes)).to(dtype).train()
     reference.load_state_dict(layer.state_dict())
