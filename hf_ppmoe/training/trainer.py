@@ -23,6 +23,10 @@ What is logged, every logging step and for every evaluation (prefixed `eval_`), 
   micro-batches, `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
+- `no_target_batches` (training): the micro-batches since the last log entry whose labels have no target token (all
+  -100, or sequences of one token, which a causal LM cannot predict). They are zero-weighted, not a NaN: the model
+  runs without labels and its loss is 0 times its logits, so every parameter gets a zero gradient (data-parallel
+  processes keep in step) and Trainer's `loss` counts them as 0. Evaluation batches are not changed.
 Only forwards given `labels` count for the losses (with a `compute_loss_func` or label smoothing the model gets no
 labels and only the router statistics are logged). Not covered: `use_legacy_prediction_loop`, and several GPUs in one
 process (`torch.nn.DataParallel`, which Trainer uses when it sees several GPUs without a launcher: its replicas would
@@ -54,13 +58,19 @@ class LossMonitor:
         self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z]
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
+    def targets(self, labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
+        """The label tokens the model predicts (GPT-MoE: labels[:, 1:], or the `shift_labels` it was given)."""
+        if not self.shifts_labels:
+            return labels
+        return shift_labels if shift_labels is not None else labels[..., 1:]
+
     @torch.no_grad()
     def _hook(self, module, args, kwargs, output):
         labels, loss = kwargs.get("labels"), getattr(output, "loss", None)
         aux, z = getattr(output, "aux_loss", None), getattr(output, "z_loss", None)
         if labels is None or loss is None or aux is None:
             return
-        targets = kwargs.get("shift_labels", labels[..., 1:]) if self.shifts_labels else labels
+        targets = self.targets(labels, kwargs.get("shift_labels"))
         num_items = kwargs.get("num_items_in_batch")
         tokens = (targets != -100).sum()
         # the model's loss: its LM loss (a mean over `tokens`, or a sum divided by num_items_in_batch) plus the router
@@ -109,8 +119,26 @@ class MoETrainerMixin:
                 f"Seq2SeqMoEForConditionalGeneration (possibly inside a PEFT model); {type(self.model).__name__} holds "
                 f"{len(moe_models)}. Use transformers.Trainer for other models."
             )
-        self.loss_monitor = LossMonitor(self.model, moe_models[0])
-        self.router_monitor = RouterMonitor(moe_models[0])
+        self.moe_model = moe_models[0]
+        self.loss_monitor = LossMonitor(self.model, self.moe_model)
+        self.router_monitor = RouterMonitor(self.moe_model)
+        self.no_target_batches = 0  # since the last training log entry, on this process
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Trainer's loss, except for a training micro-batch without a target token (see the module docstring)."""
+        labels = inputs.get("labels")
+        if not model.training or labels is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        targets = self.loss_monitor.targets(labels, inputs.get("shift_labels"))
+        if (targets != -100).any():
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self.no_target_batches += 1
+        inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
+        if self.moe_model.config.is_encoder_decoder and "decoder_input_ids" not in inputs:
+            inputs["decoder_input_ids"] = self.moe_model.prepare_decoder_input_ids_from_labels(labels)
+        outputs = model(**inputs)
+        loss = outputs.logits.sum() * 0.0  # a zero gradient for every parameter the forward used
+        return (loss, outputs) if return_outputs else loss
 
     def _moe_metrics(self, prefix: str = "") -> dict[str, float]:
         """What the monitors gathered since they were last collected, over all processes (every process calls this)."""
@@ -128,6 +156,9 @@ class MoETrainerMixin:
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log entry (evaluation metrics are added in evaluation_loop)
             logs.update(self._moe_metrics())
+            skipped = torch.tensor(float(self.no_target_batches), device=self.args.device)
+            logs["no_target_batches"] = int(self.accelerator.reduce(skipped, reduction="sum").item())
+            self.no_target_batches = 0
         super().log(logs, *args, **kwargs)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):
