@@ -2,6 +2,12 @@
 
     python benchmarks/gpu.py [--quick] [--out results.md]            # needs CUDA; --quick: smaller shapes, fewer rounds
     python benchmarks/gpu.py --device cpu --quick                    # smoke run of the same code on CPU (no numbers)
+    python benchmarks/gpu.py --plan                                  # no GPU: every case, its memory estimate, and
+                                                                     # what an 80 GB and a 141 GB card would skip
+
+Every case is sized against the device's memory before it runs (`estimate_*`: weights, gradients, optimizer state,
+the activations autograd keeps, and Transformers' `batched_mm` per-route weight copies); one that cannot fit is
+skipped with the reason in its table row instead of ending the run out of memory.
 
 Every section runs its variants interleaved, round after round, and reports the median of per-round ratios to the
 baseline of the same round (dense FFN / dense backbone), so clock and thermal drift cancel:
@@ -10,7 +16,9 @@ baseline of the same round (dense FFN / dense backbone), so clock and thermal dr
    dense SwiGLU FFN of equal active FLOPs (inner size k * f) and Transformers' Qwen3-MoE sparse block with its
    `grouped_mm` and `batched_mm` experts, for E in {8, 32, 128}, k in {1, 2, 8}; 16k tokens, hidden 2048.
 2. GPT-MoE training step (AdamW, bf16 weights, torch.compile) tokens/s and MFU against its dense backbone (the same
-   model with every FFN dense and k * f wide: equal active FLOPs).
+   model with every FFN dense and k * f wide: equal active FLOPs). MFU counts 6 x active matmul parameters plus
+   attention's 12 x layers x hidden x sequence per token (PaLM, appendix B), against the dense bf16 peak of the card
+   looked up by its name (`peak_bf16_tflops`: H100 SXM, PCIe and NVL differ); an unknown card gets no MFU.
 3. Greedy decoding tokens/s with a static cache and the compiled decode step, batch 1 and 32, against the dense
    backbone and Transformers' Qwen3-MoE of the same shape and weights layout.
 """
@@ -28,7 +36,29 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBl
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
 from hf_ppmoe.moe import MLP, MoELayer
 
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}  # dense bf16 tensor-core peaks
+GiB = 2**30
+# dense (not 2:4 sparse) bf16 tensor-core peaks from NVIDIA's data sheets, by a part of torch.cuda.get_device_name();
+# the first match wins, so the more specific names come first
+PEAK_BF16_TFLOPS = (
+    ("H100 NVL", 835.0), ("H100 PCIe", 756.0), ("H100", 989.0),  # "NVIDIA H100 80GB HBM3" is the SXM part
+    ("H200 NVL", 835.0), ("H200", 989.0),  # GH200 included
+    ("B200", 2250.0), ("A100", 312.0), ("A10G", 70.0), ("A10", 125.0),
+    ("L40S", 362.0), ("L40", 181.0), ("L4", 121.0),
+)
+# the share of a card's memory a case may plan for (allocator fragmentation, CUDA context, workspaces)
+USABLE = 0.9
+
+
+def peak_bf16_tflops(device_name: str) -> float | None:
+    """The dense bf16 peak of the card `device_name` names, None for a card not in `PEAK_BF16_TFLOPS`."""
+    return next((tflops for part, tflops in PEAK_BF16_TFLOPS if part in device_name), None)
+
+
+def fits(needed: float, memory: float | None) -> str:
+    """'' when `needed` bytes fit `memory` (None: no limit, CPU), else the reason to skip."""
+    if memory is None or needed <= USABLE * memory:
+        return ""
+    return f"skipped: needs ~{needed / GiB:,.0f} GiB, {memory / GiB:,.0f} GiB card"
 
 
 class Timer:
@@ -76,70 +106,169 @@ def moe_config(hidden, inner, E, k, layers=1, **kw):
     )
 
 
+# ---- memory estimates (bytes; upper-bound style: what autograd keeps plus the largest transient) ----
+
+
+def estimate_layer(variant: str, T: int, H: int, f: int, E: int, k: int, itemsize: int = 2) -> float:
+    """One MoE-layer case of the layer section, forward+backward: weights and their gradients, the activations kept
+    for backward, and for Transformers' `batched_mm` the per-route copy of the gate/up weights it gathers ([T*k, 2f, H])
+    and that copy's gradient."""
+    io = 3 * T * H  # input, its gradient, output
+    if variant == "dense":
+        return itemsize * (2 * 3 * H * k * f + io + 4 * T * k * f)
+    routed = T * k * (2 * H + 4 * f)  # gathered rows, gate/up, activation, down output (+ the gate's [T, E] in fp32)
+    total = itemsize * (2 * 3 * E * H * f + io + 2 * routed) + 4 * 3 * T * E
+    if variant == "qwen3-batched_mm":
+        total += 2 * itemsize * T * k * 2 * f * H
+    return total
+
+
+def parameters(config, dense: bool) -> tuple[int, int]:
+    """(all, active per token) matmul parameters of a GPT-MoE (or its dense backbone), embeddings included."""
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    kv = config.num_key_value_heads * (H // config.num_attention_heads)
+    attn = H * H * 2 + 2 * H * kv
+    E, k = (1, 1) if dense else (config.num_experts, config.num_experts_per_tok)
+    ffn = 3 * H * config.intermediate_size
+    return L * (attn + E * ffn) + H * V * 2, L * (attn + k * ffn) + H * V
+
+
+def estimate_training(config, dense: bool, B: int, S: int, itemsize: int = 2) -> float:
+    """A training step with AdamW (states in the weights' dtype): weights, gradients, two optimizer states, the
+    activations of every layer (34 * H per token and layer as in Korthikanti et al. 2022 with fused attention, plus
+    the routed experts' rows), and the logits in bf16 and float32 for the loss."""
+    total, _ = parameters(config, dense)
+    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    k = 1 if dense else config.num_experts_per_tok
+    per_layer = 34 * H + 2 * k * (2 * H + 4 * config.intermediate_size) * itemsize
+    return 4 * itemsize * total + B * S * (L * per_layer + V * (itemsize + 8))
+
+
+def estimate_decoding(config, B: int, length: int, itemsize: int = 2) -> float:
+    """Greedy decoding with a static cache: weights, the cache of `length` positions, one step's logits."""
+    total, _ = parameters(config, config.num_experts == 1)
+    kv = config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    return itemsize * (total + 2 * config.num_hidden_layers * B * length * kv + B * config.vocab_size * 4)
+
+
+def flops_per_token(config, dense: bool, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x active matmul parameters (the input embedding is a lookup) plus attention's
+    scores and weighted sums, 12 x layers x hidden x sequence (PaLM, appendix B; no causal halving)."""
+    _, active = parameters(config, dense)
+    return 6.0 * active + 12.0 * config.num_hidden_layers * config.hidden_size * seq_len
+
+
+LAYER_VARIANTS = ("dense", "ours", "qwen3-grouped_mm", "qwen3-batched_mm")
+
+
+def layer_cases(args):
+    """(E, k, {variant: estimated bytes})"""
+    return [(E, k, {v: estimate_layer(v, args.tokens, args.hidden, args.inner, E, k) for v in LAYER_VARIANTS})
+            for E in args.experts for k in args.topk]
+
+
+def training_models(args):
+    H, f, L = args.model_hidden, args.model_inner, args.model_layers
+    return {
+        "dense backbone": (moe_config(H, 2 * f, 1, 1, layers=L, moe_layers=[]), True),
+        "GPT-MoE E=8 k=2": (moe_config(H, f, 8, 2, layers=L), False),
+    }
+
+
+def decode_models(args):
+    H, f, L = args.model_hidden, args.model_inner, args.model_layers
+    return {
+        "dense backbone": moe_config(H, 2 * f, 1, 1, layers=L, moe_layers=[]),
+        "GPT-MoE": moe_config(H, f, 8, 2, layers=L),
+    }
+
+
+def plan(args, cards=(80e9, 141e9)) -> list[str]:
+    """Every case of a full run with its memory estimate and what each card size would skip (no GPU needed)."""
+    heads = " | ".join(f"{c / 1e9:.0f} GB card" for c in cards)
+    lines = [f"### Plan (T={args.tokens}, H={args.hidden}, f={args.inner}; model H={args.model_hidden}, "
+             f"{args.model_layers} layers; bf16)", "", f"| section | case | estimate GiB | {heads} |",
+             "|---|---|---|" + "---|" * len(cards)]
+
+    def row(section, case, needed):
+        verdicts = " | ".join(fits(needed, c) or "runs" for c in cards)
+        lines.append(f"| {section} | {case} | {needed / GiB:,.1f} | {verdicts} |")
+
+    for E, k, needs in layer_cases(args):
+        for variant, needed in needs.items():
+            row("layer", f"E={E} k={k} {variant}", needed)
+    for name, (config, dense) in training_models(args).items():
+        row("training", f"{name} B={args.batch} S={args.seq}", estimate_training(config, dense, args.batch, args.seq))
+    for B in args.decode_batches:
+        for name, config in decode_models(args).items():
+            row("decode", f"{name} batch {B}", estimate_decoding(config, B, 16 + args.new_tokens))
+    return lines
+
+
 def layer_section(args, device, dtype, timer):
     T, H, f = args.tokens, args.hidden, args.inner
     rows = []
-    for E in args.experts:
-        for k in args.topk:
-            torch.manual_seed(0)
-            x = torch.randn(1, T, H, device=device, dtype=dtype)  # [B, S, H]: Transformers' blocks take 3-D input
-            ours = MoELayer(moe_config(H, f, E, k)).to(device, dtype)
-            dense = MLP(moe_config(H, k * f, 1, 1)).to(device, dtype)
-            variants = {"dense": dense, "ours": lambda x, m=ours: m(x)[0]}
-            for impl in ("grouped_mm", "batched_mm"):
-                qcfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=f, num_experts=E, num_experts_per_tok=k,
-                                      norm_topk_prob=True)
-                qcfg._experts_implementation = impl
-                block = Qwen3MoeSparseMoeBlock(qcfg).to(device, dtype)
-                with torch.no_grad():  # a bare block is not initialised (zeros: every token would pick the same experts)
-                    for p in block.parameters():
-                        p.normal_(0.0, 0.02)
-                variants[f"qwen3-{impl}"] = block
-            modules = [m for m in (ours, dense, *[v for v in variants.values() if isinstance(v, torch.nn.Module)])]
+    for E, k, needs in layer_cases(args):
+        skipped = {v: fits(needed, args.memory) for v, needed in needs.items()}
+        skipped = {v: why for v, why in skipped.items() if why}
+        if "dense" in skipped or "ours" in skipped:
+            rows.append((E, k, "train+forward", {n: skipped.get(n) or skipped.get("ours") or skipped["dense"]
+                                                 for n in LAYER_VARIANTS[1:]}, float("nan")))
+            continue
+        torch.manual_seed(0)
+        x = torch.randn(1, T, H, device=device, dtype=dtype)  # [B, S, H]: Transformers' blocks take 3-D input
+        ours = MoELayer(moe_config(H, f, E, k)).to(device, dtype)
+        dense = MLP(moe_config(H, k * f, 1, 1)).to(device, dtype)
+        variants = {"dense": dense, "ours": lambda x, m=ours: m(x)[0]}
+        for impl in ("grouped_mm", "batched_mm"):
+            if f"qwen3-{impl}" in skipped:
+                continue
+            qcfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=f, num_experts=E, num_experts_per_tok=k,
+                                  norm_topk_prob=True)
+            qcfg._experts_implementation = impl
+            block = Qwen3MoeSparseMoeBlock(qcfg).to(device, dtype)
+            with torch.no_grad():  # a bare block is not initialised (zeros: every token would pick the same experts)
+                for p in block.parameters():
+                    p.normal_(0.0, 0.02)
+            variants[f"qwen3-{impl}"] = block
+        modules = [m for m in (ours, dense, *[v for v in variants.values() if isinstance(v, torch.nn.Module)])]
 
-            def train_step(fn, x=x):
-                xi = x.detach().requires_grad_(True)
-                out = fn(xi)
-                out = out[0] if isinstance(out, tuple) else out
-                out.backward(torch.ones_like(out))  # a materialised gradient, the same for every variant
+        def train_step(fn, x=x):
+            xi = x.detach().requires_grad_(True)
+            out = fn(xi)
+            out = out[0] if isinstance(out, tuple) else out
+            out.backward(torch.ones_like(out))  # a materialised gradient, the same for every variant
 
-            def fwd(fn, x=x):
-                with torch.no_grad():
-                    fn(x)
+        def fwd(fn, x=x):
+            with torch.no_grad():
+                fn(x)
 
-            for mode, step in (("train", train_step), ("forward", fwd)):
-                res = interleaved({n: (lambda fn=fn: step(fn)) for n, fn in variants.items()}, "dense", timer, args.rounds)
-                rows.append((E, k, mode, {n: r for n, (_, r) in res.items() if n != "dense"}, res["dense"][0]))
-            for m in modules:
-                m.zero_grad(set_to_none=True)
-            del ours, dense, variants, modules
-    names = ["ours", "qwen3-grouped_mm", "qwen3-batched_mm"]
+        for mode, step in (("train", train_step), ("forward", fwd)):
+            res = interleaved({n: (lambda fn=fn: step(fn)) for n, fn in variants.items()}, "dense", timer, args.rounds)
+            cells = {n: f"{r:.2f}x" for n, (_, r) in res.items() if n != "dense"}
+            rows.append((E, k, mode, {**cells, **skipped}, res["dense"][0]))
+        for m in modules:
+            m.zero_grad(set_to_none=True)
+        del ours, dense, variants, modules
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    names = list(LAYER_VARIANTS[1:])
     lines = [f"### MoE layer vs dense FFN of equal active FLOPs (T={T}, H={H}, f={f}, {dtype})", "",
              "| E | k | mode | dense ms | " + " | ".join(names) + " |", "|---|---|---|---|" + "---|" * len(names)]
-    lines += [f"| {E} | {k} | {mode} | {ms:.2f} | " + " | ".join(f"{r[n]:.2f}x" for n in names) + " |"
+    lines += [f"| {E} | {k} | {mode} | {ms:.2f} | " + " | ".join(r[n] for n in names) + " |"
               for E, k, mode, r, ms in rows]
     return lines
 
 
-def flops_per_token(config, dense: bool) -> float:
-    """6 * active parameters per token (matmul weights; attention scores left out)."""
-    H, L, V = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    kv = config.num_key_value_heads * (H // config.num_attention_heads)
-    attn = H * H * 2 + 2 * H * kv
-    ffn = 3 * H * config.intermediate_size * (1 if dense else config.num_experts_per_tok)
-    return 6.0 * (L * (attn + ffn) + H * V)
-
-
 def training_section(args, device, dtype, timer):
-    H, f, E, k, L = args.model_hidden, args.model_inner, 8, 2, args.model_layers
     B, S = args.batch, args.seq
-    models = {
-        "dense backbone": moe_config(H, k * f, 1, 1, layers=L, moe_layers=[]),
-        "GPT-MoE E=8 k=2": moe_config(H, f, E, k, layers=L),
-    }
     ids = torch.randint(0, 32000, (B, S), device=device)
-    variants, configs = {}, {}
-    for name, config in models.items():
+    variants, configs, skipped = {}, {}, {}
+    for name, (config, dense) in training_models(args).items():
+        why = fits(estimate_training(config, dense, B, S), args.memory)
+        if why:
+            skipped[name] = why
+            continue
         torch.manual_seed(0)
         model = GPTMoEForCausalLM(config).to(device, dtype).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -150,15 +279,18 @@ def training_section(args, device, dtype, timer):
             o.step()
             o.zero_grad(set_to_none=True)
 
-        variants[name], configs[name] = step, config
-    res = interleaved(variants, "dense backbone", timer, args.rounds)
-    peak = next((v for n, v in PEAK_BF16_TFLOPS.items() if device.type == "cuda" and n in torch.cuda.get_device_name()), None)
-    lines = [f"### Training step (B={B}, S={S}, H={H}, f={f}, {L} layers, AdamW, compile={args.compile})", "",
+        variants[name], configs[name] = step, (config, dense)
+    peak = peak_bf16_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
+    L, H, f = args.model_layers, args.model_hidden, args.model_inner
+    lines = [f"### Training step (B={B}, S={S}, H={H}, f={f}, {L} layers, AdamW, compile={args.compile}; "
+             f"peak {f'{peak:.0f} TFLOPS bf16' if peak else 'unknown for this card: no MFU'})", "",
              "| model | ms/step | tokens/s | vs dense | MFU |", "|---|---|---|---|---|"]
-    for name, (ms, ratio) in res.items():
-        tps = B * S / (ms / 1e3)
-        mfu = f"{flops_per_token(configs[name], name.startswith('dense')) * tps / (peak * 1e12):.1%}" if peak else "n/a"
-        lines.append(f"| {name} | {ms:.1f} | {tps:,.0f} | {1 / ratio:.2f}x | {mfu} |")
+    if "dense backbone" in variants:
+        for name, (ms, ratio) in interleaved(variants, "dense backbone", timer, args.rounds).items():
+            tps = B * S / (ms / 1e3)
+            mfu = f"{flops_per_token(*configs[name], S) * tps / (peak * 1e12):.1%}" if peak else "n/a"
+            lines.append(f"| {name} | {ms:.1f} | {tps:,.0f} | {1 / ratio:.2f}x | {mfu} |")
+    lines += [f"| {name} | {why} | | | |" for name, why in skipped.items()]
     return lines
 
 
@@ -169,27 +301,30 @@ def decode_section(args, device, dtype, timer):
              "| batch | model | tokens/s | vs dense |", "|---|---|---|---|"]
     for B in args.decode_batches:
         ids = torch.randint(0, 32000, (B, 16), device=device)
-        variants = {}
         qcfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=H, moe_intermediate_size=f, intermediate_size=k * f,
                               num_hidden_layers=L, num_attention_heads=max(1, H // 128),
                               num_key_value_heads=max(1, H // 512), num_experts=E, num_experts_per_tok=k,
                               norm_topk_prob=True)
         qcfg._experts_implementation = "grouped_mm"
-        builders = {
-            "dense backbone": lambda: GPTMoEForCausalLM(moe_config(H, k * f, 1, 1, layers=L, moe_layers=[])),
-            "GPT-MoE": lambda: GPTMoEForCausalLM(moe_config(H, f, E, k, layers=L)),
-            "Qwen3-MoE grouped_mm": lambda: Qwen3MoeForCausalLM(qcfg),
-        }
+        configs = decode_models(args)
+        builders = {name: (lambda c=c: GPTMoEForCausalLM(c)) for name, c in configs.items()}
+        builders["Qwen3-MoE grouped_mm"] = lambda: Qwen3MoeForCausalLM(qcfg)
+        variants = {}
         for name, build in builders.items():
+            why = fits(estimate_decoding(configs.get(name, configs["GPT-MoE"]), B, 16 + new_tokens), args.memory)
+            if why:
+                lines.append(f"| {B} | {name} | {why} | |")
+                continue
             torch.manual_seed(0)
             model = build().to(device, dtype).eval()
             kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             if args.compile:
                 kwargs["cache_implementation"] = "static"
             variants[name] = lambda m=model, kw=kwargs: m.generate(ids, **kw)
-        res = interleaved(variants, "dense backbone", timer, max(3, args.rounds // 2), warmup=2)
-        for name, (ms, ratio) in res.items():
-            lines.append(f"| {B} | {name} | {B * new_tokens / (ms / 1e3):,.0f} | {1 / ratio:.2f}x |")
+        if "dense backbone" in variants:
+            res = interleaved(variants, "dense backbone", timer, max(3, args.rounds // 2), warmup=2)
+            for name, (ms, ratio) in res.items():
+                lines.append(f"| {B} | {name} | {B * new_tokens / (ms / 1e3):,.0f} | {1 / ratio:.2f}x |")
     return lines
 
 
@@ -197,23 +332,31 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer rounds")
+    parser.add_argument("--plan", action="store_true",
+                        help="print the cases, their memory estimates and what 80 GB / 141 GB cards skip; run nothing")
     parser.add_argument("--sections", nargs="+", default=["layer", "training", "decode"])
     parser.add_argument("--no_compile", dest="compile", action="store_false")
     parser.add_argument("--out", help="also write the markdown tables to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        sys.exit("benchmarks/gpu.py needs a CUDA GPU (none found). For a smoke run of the code on CPU: --device cpu --quick")
-    q = args.quick or device.type == "cpu"
+    q = args.quick or (device.type == "cpu" and not args.plan)
     args.tokens, args.hidden, args.inner = (512, 256, 176) if q else (16384, 2048, 1408)
     args.experts, args.topk = ([8, 32], [1, 2]) if q else ([8, 32, 128], [1, 2, 8])
     args.model_hidden, args.model_inner, args.model_layers = (256, 176, 2) if q else (2048, 1408, 8)
     args.batch, args.seq = (2, 128) if q else (8, 2048)
     args.decode_batches, args.new_tokens = ([1, 4], 8) if q else ([1, 32], 128)
     args.rounds = 3 if q else 10
+    if args.plan:
+        lines = plan(args)
+        print("\n".join(lines))
+        return lines
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("benchmarks/gpu.py needs a CUDA GPU (none found). For a smoke run of the code on CPU: --device cpu "
+                 "--quick; for the cases and their memory estimates: --plan")
+    args.memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     dtype = torch.bfloat16
     timer = Timer(device)
-    header = torch.cuda.get_device_name() if device.type == "cuda" else "CPU smoke run (not a measurement)"
+    header = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU smoke run (not a measurement)"
     out = [f"## benchmarks/gpu.py on {header}, torch {torch.__version__}", ""]
     print(out[0], flush=True)
     sections = {"layer": layer_section, "training": training_section, "decode": decode_section}
@@ -221,9 +364,10 @@ def main(argv=None):
         lines = sections[name](args, device, dtype, timer) + [""]
         print("\n".join(lines), flush=True)
         out += lines
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write("\n".join(out) + "\n")
+        if args.out:  # written after every section: a later failure keeps the tables already measured
+            with open(args.out, "w") as fh:
+                fh.write("\n".join(out) + "\n")
+    return out
 
 
 if __name__ == "__main__":

@@ -32,7 +32,8 @@ from transformers.models.switch_transformers.modeling_switch_transformers import
 
 from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.moe import MLP, MoELayer
-from hf_ppmoe.moe.experts import _parameters, grouped_mm
+from hf_ppmoe.moe.experts import _parameters
+from hf_ppmoe.moe.kernels import grouped_kernel_available, grouped_mm
 
 
 def init_(module: nn.Module) -> nn.Module:
@@ -65,7 +66,8 @@ def experts_only(layer: MoELayer, x: torch.Tensor):
     def run(_):
         w_in, _b, w_out, _b = _parameters(experts, x.dtype)
         g = grouped.requires_grad_(torch.is_grad_enabled())
-        return grouped_mm(experts._activate(grouped_mm(g, w_in, offsets)), w_out, offsets)
+        kernel = grouped_kernel_available(g, w_in)
+        return grouped_mm(experts._activate(grouped_mm(g, w_in, offsets, kernel)), w_out, offsets, kernel)
 
     return run, layer
 

@@ -17,7 +17,7 @@ def run(command: str, rest: list[str]) -> int:
 
         return cli(rest, prog="hf-ppmoe train")
     if command == "megatron":
-        from .conversion.megatron import main as megatron
+        from .conversion.megatron_checkpoint import main as megatron
 
         return megatron(rest, prog="hf-ppmoe megatron")
     if command == "demo":

@@ -1,21 +1,16 @@
-"""Pieces shared by both model families: norms, MoE loss aggregation, and the `save_pretrained` that makes a
-checkpoint folder self-contained for `trust_remote_code=True`.
+"""Pieces shared by both model families: norms, input checks, the loss (`model_loss`), and `MoEPreTrainedModel`
+with a guarded, self-contained `save_pretrained` / `from_pretrained`.
 
-Transformers' remote-code loader copies a model's modeling/configuration files and, recursively, only the files
-they import with `from .name import ...` from the same folder. Our modules live in a package tree
-(`hf_ppmoe/moe/...`, `hf_ppmoe/modeling/...`), so `save_pretrained` writes a flattened copy of every module the
-model needs (`hf_ppmoe/moe/layer.py` -> `moe_layer.py`, imports rewritten to `from .moe_layer import ...`) and the
-`auto_map` that points at them. The same code runs again from such a flattened folder, where names are already flat.
-It also writes `custom_generate/generate.py` (flat beam search), which Transformers picks up with
-`trust_remote_code=True`.
-
-Saving and loading are guarded (hf_ppmoe/utils): `save_pretrained` replaces its folder in one step and records the
-weights' SHA-256; loading refuses weight files outside the folder, checks those checksums, integer or boolean tensors
-where the model has floating-point ones, and NaN or infinity.
+Transformers' remote-code loader copies only the files a model's modules import with `from .name import ...`, so
+`save_pretrained` writes a flattened copy of every module the model needs (`hf_ppmoe/moe/layer.py` ->
+`moe_layer.py`, imports rewritten), the `auto_map` pointing at them, and `custom_generate/generate.py` (flat beam
+search). Saving replaces the folder in one step and records the weights' SHA-256; loading refuses weight files outside
+the folder, changed checksums, integer tensors for floating-point weights, and NaN or infinity (hf_ppmoe/utils).
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import importlib.util
 import os
@@ -33,6 +28,7 @@ from ..generation.flat_beam_search import generate as flat_beam_generate
 from ..moe.experts import Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
+from ..moe.losses import router_loss
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import (
     WEIGHT_FILE,
@@ -96,64 +92,59 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
     device (or break the graph) on every step, so there the embedding's own device-side index check stops a bad id."""
     if ids.device.type != "cpu" or torch.compiler.is_compiling() or ids.numel() == 0:
         return
-    low, high = ids.aminmax()  # one pass (~10 us per decoding step on CPU)
+    low, high = ids.aminmax()  # one pass
     if low.item() < 0 or high.item() >= limit:
         where = tuple(((ids < 0) | (ids >= limit)).nonzero()[0].tolist())
         raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
 
 
 def warn_if_no_targets(targets: torch.Tensor) -> None:
-    """The LM loss averages over the target tokens (labels other than -100); with none it is NaN. A warning, not an
-    error (a batch of padding can occur in a loop). An empty target shape is seen everywhere; labels that are all
-    -100 are looked for on CPU in eager mode only (elsewhere the host would wait for the device)."""
+    """Warn about a batch without a target token (labels all -100, or one-token sequences for a causal LM), whose
+    loss is 0 (`model_loss`). An empty target shape is seen everywhere; labels that are all -100 are looked for on
+    CPU in eager mode only (elsewhere the host would wait for the device)."""
     if targets.numel() and (targets.device.type != "cpu" or torch.compiler.is_compiling() or bool((targets != -100).any())):
         return
     warnings.warn(
         "No label in this batch is a target (every label is -100, or each sequence has a single token, which a causal "
-        "LM cannot predict from earlier ones): the LM loss has nothing to average and is NaN.",
+        "LM cannot predict from earlier ones): its loss is 0 and it gives no gradient.",
         stacklevel=3,
     )
 
 
-def layer_outputs(hidden_states: torch.Tensor, routing, attn_weights) -> tuple:
-    """A layer's outputs with its router losses as top-level tensors. Reentrant gradient checkpointing
-    (`use_reentrant=True`, what PEFT's k-bit preparation asks for) runs the layer without autograd and gives gradients
-    only to the tensors the layer returns directly: losses left inside the Routing would lose theirs.
-    `unpack_layer_outputs` puts them back."""
-    aux, z = (routing.aux_loss, routing.z_loss) if routing is not None else (None, None)
-    return hidden_states, aux, z, routing, attn_weights
+def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
+    """A layer's outputs: (hidden_states, aux_loss, z_loss), the losses None without a `Routing` or when they were
+    not computed. Top-level tensors, because reentrant gradient checkpointing (`use_reentrant=True`, what PEFT's
+    k-bit preparation asks for) runs the layer without autograd and gives gradients only to the tensors the layer
+    returns directly."""
+    if routing is None:
+        return hidden_states, None, None
+    return hidden_states, routing.aux_loss, routing.z_loss
 
 
-def unpack_layer_outputs(outputs: tuple) -> tuple:
-    """(hidden_states, Routing | None, attention weights) from `layer_outputs`."""
-    hidden_states, aux, z, routing, attn_weights = outputs
-    if routing is not None:
-        routing = routing._replace(aux_loss=aux, z_loss=z)
-    return hidden_states, routing, attn_weights
-
-
-def mean_router_losses(routings) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Aux and z losses averaged over the MoE layers (so the coefficients do not depend on depth)."""
-    if not routings or routings[0].aux_loss is None:  # none, or computed without losses (inference)
-        return None, None
-    aux = torch.stack([r.aux_loss for r in routings]).mean()
-    z = torch.stack([r.z_loss for r in routings]).mean()
-    return aux, z
-
-
-def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor | float:
+def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
     """The weight of one forward's router losses in its `loss`: 1, or its share of the label tokens (`targets`, -100
-    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step.
+    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step; 0 for
+    a batch without a target.
 
-    Transformers' Trainer passes `num_items_in_batch` (all micro-batches of gradient accumulation, and all data-parallel
-    replicas unless `average_tokens_across_devices=False`), adds up the micro-batches' losses without dividing by the
-    accumulation steps, and multiplies each by the replica count, which the replicas' gradient averaging undoes. A
-    router loss added in full would so count once per micro-batch and replica; weighted by the token share, one step's
-    router losses add up to their token-weighted mean over micro-batches and replicas: the plain mean our own training
-    loop takes when every micro-batch holds as many label tokens, whatever the accumulation and replica counts."""
+    Transformers' Trainer adds up the losses of a step's micro-batches (and data-parallel replicas), each normalised
+    by `num_items_in_batch`: weighted by the token share, a step's router losses add up to their token-weighted mean
+    instead of counting once per micro-batch and replica."""
+    count = (targets != -100).sum()
     if num_items_in_batch is None:
-        return 1.0
-    return (targets != -100).sum() / num_items_in_batch
+        return (count > 0).float()
+    return count / torch.as_tensor(num_items_in_batch, device=count.device).clamp(min=1)
+
+
+def model_loss(lm_loss, targets, num_items_in_batch, config, aux_loss, z_loss) -> torch.Tensor:
+    """A model's `loss`: its LM loss plus the router term (`hf_ppmoe.moe.losses.router_loss`) weighted by
+    `router_loss_weight`. `targets`: the labels the LM loss predicts (-100 ignored).
+
+    A batch without a target (labels all -100, or one-token sequences for a causal LM) has loss 0 and gives no
+    gradient: the LM loss, an average over no tokens (NaN), is replaced by 0, and the router terms weigh 0. Such a
+    batch warns (`warn_if_no_targets`); training loops can count it."""
+    warn_if_no_targets(targets)
+    lm_loss = torch.where((targets != -100).any(), lm_loss, torch.zeros_like(lm_loss))
+    return lm_loss + router_loss_weight(targets, num_items_in_batch) * router_loss(config, aux_loss, z_loss)
 
 
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)
@@ -212,6 +203,35 @@ def add_remote_code(folder: str | os.PathLike, model_class: type, config) -> Non
     write_remote_code(folder, [model_module, config_module])
 
 
+_LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")  # "layers.3.mlp" -> "layers.*.mlp", as Transformers' plan keys
+
+
+@contextlib.contextmanager
+def tied_head_kept(model):
+    """Ties a head that shares the input embeddings' weight again after the block, which may replace the embedding's
+    parameter object (tensor-parallel splitting does)."""
+    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
+    yield
+    if tied:
+        head.weight = embeddings.weight
+
+
+class NoPositions(nn.Module):
+    """Stands in for learned position embeddings on a pipeline stage after the first (its input carries them)."""
+
+    def forward(self, position_ids):
+        return 0.0
+
+
+class LayerOfAnotherStage(nn.Module):
+    """Stands in for a decoder layer that another stage of Transformers' pipeline holds: the hidden states pass
+    through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return layer_outputs(hidden_states, None)
+
+
 class MoEPreTrainedModel(PreTrainedModel):
     """Base of both families: MoE weight init and an all-or-nothing, self-contained `save_pretrained`."""
 
@@ -235,6 +255,76 @@ class MoEPreTrainedModel(PreTrainedModel):
                 E, k = module.experts.num_experts, module.gate.top_k
                 inactive += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
         return self.num_parameters(exclude_embeddings=exclude_embeddings) - inactive
+
+    # Transformers' parallel hooks (`from_pretrained(distributed_config=...)`, and `hf_ppmoe.parallel.parallelize`
+    # on a built model). The plan styles our configs name ("ppmoe_ffn", ...) are registered by hf_ppmoe.parallel.
+
+    def init_parallel_plans(self) -> None:
+        """Transformers' plan merging, keeping only the rules that name a module or parameter of this model: the
+        configs list the rules of every layout a family can build (gated or plain FFN, biases, shared expert)."""
+        super().init_parallel_plans()
+        names = {_LAYER_NUMBER.sub(".*", n) for n, _ in [*self.named_modules(), *self.named_parameters()]}
+        self._tp_plan = {k: v for k, v in self._tp_plan.items() if k in names}
+        self._ep_plan = {k: v for k, v in self._ep_plan.items() if k in names}
+
+    def _resolve_parallel_plans(self, distributed_config):
+        """Transformers' resolved plans without the rules of tied duplicates (`lm_head.weight` when tied to the input
+        embeddings, which Transformers cannot look up once tied): the shared weight is split once, by the embedding's
+        rule, which splits the vocabulary as the head's rule would; the head keeps its forward rule."""
+        names = {n for n, _ in [*self.named_modules(), *self.named_parameters()]}
+        plans = super()._resolve_parallel_plans(distributed_config)
+        return tuple({k: v for k, v in plan.items() if k in names} for plan in plans)
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Transformers' `maybe_distribute_model`, keeping a tied head tied; with `pp_size > 1` the GPT-MoE stage is
+        completed (`_fit_pipeline_stage`) and an encoder-decoder is refused (Transformers' stages cut the `layers` of
+        a decoder-only model)."""
+        pipeline = distributed_config is not None and distributed_config.pp_size > 1
+        if pipeline and model.config.is_encoder_decoder:
+            raise ValueError(
+                f"Transformers' pipeline parallelism (DistributedConfig(pp_size={distributed_config.pp_size})) cuts "
+                f"the decoder layers of a decoder-only model; {type(model).__name__} has an encoder and a decoder "
+                "stack. Use hf_ppmoe.parallel.Pipeline or `python -m hf_ppmoe.training --pp_size N`, which cut both "
+                "stacks."
+            )
+        with tied_head_kept(model):
+            model = super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        if pipeline:
+            model._fit_pipeline_stage()
+        return model
+
+    def _fit_pipeline_stage(self) -> None:
+        """Completes a GPT-MoE stage of Transformers' pipeline parallelism (`DistributedConfig(pp_size=N)`).
+
+        Transformers keeps this rank's slice of `model.layers` and puts an identity that returns the hidden states
+        alone in place of the others; our layers also return their routing and router losses (`layer_outputs`), so
+        those identities become `LayerOfAnotherStage`. A stage after the first receives hidden states that already
+        carry the learned position embeddings and the embedding dropout, and drops its own. The stages pass
+        activations without gradients, so a forward in training is refused (on every rank, before any stage
+        communicates) instead of silently updating the last stage alone."""
+        base = self.model
+        for i, layer in enumerate(base.layers):
+            if isinstance(layer, nn.Identity):  # Transformers' PipelineIdentityLayer
+                base.layers[i] = LayerOfAnotherStage()
+        if not self._pp_stage.pp_is_first_stage:
+            base.dropout = nn.Identity()
+            if self.config.position_embedding_type == "learned":
+                base.embed_positions = NoPositions()
+        self.register_forward_pre_hook(_refuse_pipeline_training)
+
+    def _distributed_config_of_this_model(self, distributed_config):
+        """`config.distributed_config` where this model was split (`_device_mesh`, set by `parallelize` and
+        `from_pretrained(distributed_config=...)`), else None: a config shared with, or copied from, a split model
+        must not make a model that is whole gather or wait for other ranks when one rank saves it."""
+        return distributed_config if self._device_mesh is not None else None
+
+    def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs):
+        distributed_config = self._distributed_config_of_this_model(distributed_config)
+        return super().gather_sharded_state_dict_for_save(model_to_save, state_dict, distributed_config, **kwargs)
+
+    def barrier_after_gathered_checkpoint_save(self, distributed_config) -> None:
+        super().barrier_after_gathered_checkpoint_save(self._distributed_config_of_this_model(distributed_config))
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -301,3 +391,13 @@ class MoEPreTrainedModel(PreTrainedModel):
         result = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
         check_finite((stored[name][0], name, t) for name, t in model.state_dict().items() if name in stored)
         return result
+
+
+def _refuse_pipeline_training(model, args):
+    if model.training and torch.is_grad_enabled():
+        raise RuntimeError(
+            "Transformers' pipeline parallelism (DistributedConfig(pp_size=...)) runs inference only: its stages pass "
+            "activations without gradients, so the earlier stages would never learn. Call model.eval() or use "
+            "torch.no_grad(); to train with pipeline stages use hf_ppmoe.parallel.Pipeline or "
+            "`python -m hf_ppmoe.training --pp_size N`."
+        )

@@ -77,6 +77,8 @@ class GPTMoEConfig(MoEConfig):
             self.attention_output_bias = self.attention_bias
         super().__post_init__(**kwargs)
         self.validate()
+        if self.head_dim is None:  # stated, as Transformers' code (caches, attention helpers, tests) reads it
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
     def validate(self) -> None:
         self.validate_numbers()
@@ -84,6 +86,14 @@ class GPTMoEConfig(MoEConfig):
             self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
             f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={self.num_attention_heads}; "
             "change one of them or set head_dim explicitly.",
+        )
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        check(
+            self.position_embedding_type != "rotary" or head_dim % 2 == 0,
+            f"head_dim={head_dim} is odd (hidden_size={self.hidden_size} / num_attention_heads="
+            f"{self.num_attention_heads} unless set): rotary position embeddings turn pairs of dimensions and need an "
+            "even head_dim. Change hidden_size or num_attention_heads, set an even head_dim, or use "
+            "position_embedding_type='learned'.",
         )
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,

@@ -6,38 +6,20 @@ Legend: B batch, L query length, H hidden, T = B * L tokens.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.integrations.sdpa_attention import repeat_kv
 
 from ..generation.router_stats import MoEGenerationMixin
-from ..moe.experts import MLP
-from ..moe.layer import MoELayer
-from .common import (
-    MoEPreTrainedModel,
-    RMSNorm,
-    build_norm,
-    check_ids,
-    check_tokens,
-    layer_outputs,
-    mean_router_losses,
-    router_loss_weight,
-    routing_token_mask,
-    unpack_layer_outputs,
-    warn_if_no_targets,
-)
+from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
+from .blocks import head_output, model_forward, output_recorders, run_layers
+from .common import MoEPreTrainedModel, RMSNorm, build_norm, check_ids, check_tokens, model_loss, routing_token_mask
 from .configuration_gpt_moe import GPTMoEConfig
 
 
@@ -53,14 +35,15 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given; the
-    router terms weighted by the batch's share of `num_items_in_batch` where that is passed: `router_loss_weight`)."""
+    """`loss` (when labels are given): the LM loss plus the router term of `aux_loss` and `z_loss`
+    (`hf_ppmoe.modeling.common.model_loss`)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
 
 
 class GPTMoERotaryEmbedding(nn.Module):
+    """Rotary position embedding (Llama): cos/sin [B, L, head_dim] for the positions, any Transformers rope type."""
     def __init__(self, config: GPTMoEConfig):
         super().__init__()
         self.config = config
@@ -76,7 +59,7 @@ class GPTMoERotaryEmbedding(nn.Module):
     @staticmethod
     def compute_default_rope_parameters(config, **kwargs) -> tuple[torch.Tensor, float]:
         base = config.rope_parameters["rope_theta"]
-        dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        dim = config.head_dim
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
 
     @torch.no_grad()
@@ -88,33 +71,24 @@ class GPTMoERotaryEmbedding(nn.Module):
 
 
 def rotate_half(x):
+    """[x1, x2] -> [-x2, x1] over the last dimension (its two halves)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
 def apply_rotary_pos_emb(q, k, cos, sin):
+    """q, k [B, N, L, D] rotated by the angles of cos, sin [B, L, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    key, value = repeat_kv(key, module.num_key_value_groups), repeat_kv(value, module.num_key_value_groups)
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
-        else:
-            weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 class GPTMoEAttention(nn.Module):
+    """Causal self-attention with grouped-query heads, optional per-head q/k norms (Qwen3), rotary positions and a
+    key/value cache; the kernel is the config's attention implementation."""
     def __init__(self, config: GPTMoEConfig, layer_idx: int):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
-        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.num_key_value_groups = config.num_attention_heads // config.num_key_value_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = True
@@ -129,8 +103,7 @@ class GPTMoEAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.layer_norm_eps)
 
     def forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
-        input_shape = hidden_states.shape[:-1]
-        shape = (*input_shape, -1, self.head_dim)
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)
         k = self.k_proj(hidden_states).view(shape)
         if self.q_norm is not None:
@@ -141,67 +114,26 @@ class GPTMoEAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, weights = attention(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            sliding_window=self.config.sliding_window,
-            **kwargs,
-        )
-        return self.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        return attend(self, attention, q, k, v, attention_mask, sliding_window=self.config.sliding_window, **kwargs)
 
 
-class GPTMoEDecoderLayer(GradientCheckpointingLayer):
+class GPTMoEDecoderLayer(MoETransformerLayer):
+    """Pre-norm causal self-attention, then the FFN: an `MoELayer` on every `moe_layer_frequency`-th layer."""
     def __init__(self, config: GPTMoEConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
-        self.self_attn = GPTMoEAttention(config, layer_idx)
-        self.post_attention_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
-        self.is_moe = config.is_moe_layer(layer_idx)
-        self.mlp = MoELayer(config) if self.is_moe else MLP(config)
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_embeddings=None,
-        cache=None,
-        token_mask=None,
-        compute_router_losses=True,
-        **kwargs,
-    ):
-        attn_out, attn_weights = self.self_attn(
-            self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            cache=cache,
-            **kwargs,
-        )
-        hidden_states = hidden_states + self.dropout(attn_out)
-        h = self.post_attention_layernorm(hidden_states)
-        routing = None
-        if self.is_moe:
-            h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
-        else:
-            h = self.mlp(h)
-        return layer_outputs(hidden_states + self.dropout(h), routing, attn_weights)
+        super().__init__(config, GPTMoEAttention(config, layer_idx), config.is_moe_layer(layer_idx))
 
 
 class GPTMoEPreTrainedModel(MoEPreTrainedModel):
+    """Base of the GPT-MoE classes: config class, and what `capture_moe_outputs` records."""
     config: GPTMoEConfig
     config_class = GPTMoEConfig
     _no_split_modules = ["GPTMoEDecoderLayer"]
+    _can_record_outputs = output_recorders(GPTMoEDecoderLayer, GPTMoEAttention)
 
 
 class GPTMoEModel(GPTMoEPreTrainedModel):
+    """Embeddings (learned or rotary positions), the decoder layers and the final norm: last_hidden_state [B, L, H]."""
     _auto_classes = {"AutoModel": "GPTMoEModel"}
 
     def __init__(self, config: GPTMoEConfig):
@@ -217,8 +149,8 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
-    @can_return_tuple
+    @model_forward
+    @capture_moe_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -227,23 +159,16 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool | None = None,
         compute_router_losses: bool | None = None,
         **kwargs,
     ) -> GPTMoEModelOutput:
-        """`compute_router_losses` (default: when gradients are enabled or router logits are requested) fills
+        """Also takes output_attentions, output_hidden_states and output_router_logits (`capture_moe_outputs`).
+        `compute_router_losses` (default: when gradients are enabled or router logits are requested) fills
         `aux_loss` / `z_loss`; inference without gradients skips them, as they only cost time while decoding."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         config = self.config
         use_cache = use_cache if use_cache is not None else (config.use_cache and not self.training)
-        output_attentions = output_attentions if output_attentions is not None else config.output_attentions
-        output_hidden_states = output_hidden_states if output_hidden_states is not None else config.output_hidden_states
-        output_router_logits = output_router_logits if output_router_logits is not None else config.output_router_logits
-        if compute_router_losses is None:
-            compute_router_losses = torch.is_grad_enabled() or output_router_logits
 
         if inputs_embeds is None:
             check_tokens(input_ids.shape, "input_ids")
@@ -289,42 +214,28 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             attention_mask[:, -seq_len:] if attention_mask is not None else None, compute_router_losses
         )
 
-        all_hidden, all_attn, routings = [], [], []
-        for layer in self.layers:
-            if output_hidden_states:
-                all_hidden.append(hidden_states)
-            hidden_states, routing, attn_weights = unpack_layer_outputs(layer(
-                hidden_states,
-                attention_mask=causal_mask,
-                position_embeddings=position_embeddings,
-                cache=cache,
-                token_mask=token_mask,
-                compute_router_losses=compute_router_losses,
-                position_ids=position_ids,
-                **kwargs,
-            ))
-            if routing is not None:
-                routings.append(routing)
-            if output_attentions:
-                all_attn.append(attn_weights)
-        hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden.append(hidden_states)
-
-        aux_loss, z_loss = mean_router_losses(routings) if compute_router_losses else (None, None)
+        hidden_states, aux_loss, z_loss = run_layers(
+            self.layers,
+            hidden_states,
+            attention_mask=causal_mask,
+            position_embeddings=position_embeddings,
+            cache=cache,
+            token_mask=token_mask,
+            compute_router_losses=compute_router_losses,
+            position_ids=position_ids,
+            **kwargs,
+        )
         return GPTMoEModelOutput(
-            last_hidden_state=hidden_states,
+            last_hidden_state=self.norm(hidden_states),
             cache=cache if use_cache else None,
-            hidden_states=tuple(all_hidden) if output_hidden_states else None,
-            attentions=tuple(all_attn) if output_attentions else None,
-            router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
-            router_expert_ids=tuple(r.expert_ids for r in routings) if output_router_logits else None,
             aux_loss=aux_loss,
             z_loss=z_loss,
         )
 
 
 class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
+    """`GPTMoEModel` with an LM head (tied to the embeddings if `tie_word_embeddings`); generates with every
+    Transformers decoding mode, also `output_router_logits=True` (hf_ppmoe.generation.router_stats)."""
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}
@@ -335,8 +246,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
-    @can_return_tuple
+    @model_forward
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -346,12 +256,11 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
         **kwargs,
     ) -> GPTMoECausalLMOutput:
+        """labels [B, L] give the loss (token t + 1 predicted at position t; -100: ignored); a batch without a target
+        (all -100, or one-token sequences) has loss 0 (`model_loss`). Output flags as `GPTMoEModel` takes them."""
         out = self.model(
             return_dict=True,
             input_ids=input_ids,
@@ -360,9 +269,6 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
             compute_router_losses=True if labels is not None else None,
             **kwargs,
         )
@@ -374,23 +280,9 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         if labels is not None:
             # the LM loss predicts labels[:, 1:] (or the shift_labels given)
             targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
-            warn_if_no_targets(targets)
-            loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
-            if out.aux_loss is not None:
-                weight = router_loss_weight(targets, kwargs.get("num_items_in_batch"))  # see router_loss_weight
-                config = self.config
-                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
-        return GPTMoECausalLMOutput(
-            loss=loss,
-            aux_loss=out.aux_loss,
-            z_loss=out.z_loss,
-            logits=logits,
-            cache=out.cache,
-            hidden_states=out.hidden_states,
-            attentions=out.attentions,
-            router_logits=out.router_logits,
-            router_expert_ids=out.router_expert_ids,
-        )
+            lm_loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+            loss = model_loss(lm_loss, targets, kwargs.get("num_items_in_batch"), self.config, out.aux_loss, out.z_loss)
+        return head_output(GPTMoECausalLMOutput, out, loss=loss, logits=logits)
 
 
 __all__ = ["GPTMoEForCausalLM", "GPTMoEModel", "GPTMoEPreTrainedModel"]

@@ -16,40 +16,25 @@ labels == -100) are kept out of routing statistics and router losses.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from transformers.utils.deprecation import deprecate_kwarg
-from transformers.utils.generic import can_return_tuple
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
 from transformers.loss.loss_utils import ForMaskedLMLoss
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
     Seq2SeqMoEModelOutput,
     Seq2SeqMoEOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..generation.router_stats import MoEGenerationMixin
-from ..moe.experts import MLP
-from ..moe.layer import MoELayer
-from .common import (
-    MoEPreTrainedModel,
-    build_norm,
-    check_ids,
-    check_tokens,
-    layer_outputs,
-    mean_router_losses,
-    router_loss_weight,
-    routing_token_mask,
-    unpack_layer_outputs,
-    warn_if_no_targets,
-)
+from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
+from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
+from .common import MoEPreTrainedModel, build_norm, check_ids, check_tokens, model_loss, routing_token_mask
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
 
 
@@ -90,9 +75,8 @@ class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
 
 @dataclass
 class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
-    """`loss` = LM loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss (when labels are given), with
-    `aux_loss` / `z_loss` averaged over the MoE layers of both stacks (the router terms weighted by the batch's share of
-    `num_items_in_batch` where that is passed: `router_loss_weight`)."""
+    """`loss` (when labels are given): the LM loss plus the router term of `aux_loss` and `z_loss`, averaged over the
+    MoE layers of both stacks (`hf_ppmoe.modeling.common.model_loss`)."""
 
     encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
@@ -121,22 +105,6 @@ def relative_position_bucket(relative_position: torch.Tensor, bidirectional: boo
     return buckets + torch.where(is_small, distance, large)
 
 
-def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **_):
-    """query [B, N, L, D], key/value [B, N, K, D], position_bias [1, N, L, K]
-    -> out [B, L, N, D], weights [B, N, L, K]."""
-    weights = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if position_bias is not None:
-        weights = weights + position_bias
-    if attention_mask is not None:
-        if attention_mask.dtype == torch.bool:
-            weights = weights.masked_fill(~attention_mask, torch.finfo(weights.dtype).min)
-        else:
-            weights = weights + attention_mask
-    weights = F.softmax(weights, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = F.dropout(weights, p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 class Seq2SeqMoEAttention(nn.Module):
     """Self-attention (encoder: bidirectional, decoder: causal and cached) or cross-attention (keys/values from the
     encoder output, computed once per generation and kept in the cross-attention cache)."""
@@ -145,7 +113,7 @@ class Seq2SeqMoEAttention(nn.Module):
         super().__init__()
         self.config, self.layer_idx = config, layer_idx
         self.is_causal, self.is_cross = is_causal, is_cross
-        self.head_dim = config.head_dim or config.hidden_size // config.num_attention_heads
+        self.head_dim = config.head_dim
         self.scaling = config.attention_scaling if config.attention_scaling is not None else self.head_dim**-0.5
         H, inner, bias = config.hidden_size, config.num_attention_heads * self.head_dim, config.attention_bias
         self.q_proj = nn.Linear(H, inner, bias=bias)
@@ -177,110 +145,31 @@ class Seq2SeqMoEAttention(nn.Module):
         """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
         q = self._project(self.q_proj, hidden_states)
         k, v = self._key_values(hidden_states, key_value_states, cache)
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager_attention_forward
-        )
-        out, weights = attention(
-            self,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=self.config.attention_dropout if self.training else 0.0,
-            scaling=self.scaling,
-            position_bias=position_bias,
-            **kwargs,
-        )
-        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1).contiguous()), weights
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        return attend(self, attention, q, k, v, attention_mask, position_bias=position_bias, **kwargs)
 
 
-class Seq2SeqMoEEncoderLayer(GradientCheckpointingLayer):
+class Seq2SeqMoEEncoderLayer(MoETransformerLayer):
     """Pre-norm self-attention, then the FFN (dense `MLP` or `MoELayer`), each with a residual connection."""
 
-    def __init__(self, config: Seq2SeqMoEConfig, layer_idx: int, is_moe: bool, is_decoder: bool = False):
-        super().__init__()
-        H, eps = config.hidden_size, config.layer_norm_eps
-        self.input_layernorm = build_norm(config.norm_type, H, eps)
-        self.self_attn = Seq2SeqMoEAttention(config, layer_idx, is_causal=is_decoder)
-        if is_decoder:  # built here so that parameters are listed in the order they are used
-            self.cross_attn_layernorm = build_norm(config.norm_type, H, eps)
-            self.cross_attn = Seq2SeqMoEAttention(config, layer_idx, is_cross=True)
-        self.post_attention_layernorm = build_norm(config.norm_type, H, eps)
-        self.is_moe = is_moe
-        self.mlp = MoELayer(config) if is_moe else MLP(config)
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    def _self_attention(self, hidden_states, attention_mask, position_bias, cache=None, **kwargs):
-        out, weights = self.self_attn(
-            self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_bias=position_bias,
-            cache=cache,
-            **kwargs,
-        )
-        return hidden_states + self.dropout(out), weights
-
-    def _feed_forward(self, hidden_states, token_mask, compute_router_losses=True):
-        h = self.post_attention_layernorm(hidden_states)
-        routing = None
-        if self.is_moe:
-            h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
-        else:
-            h = self.mlp(h)
-        return hidden_states + self.dropout(h), routing
-
-    def forward(
-        self, hidden_states, attention_mask=None, position_bias=None, token_mask=None, compute_router_losses=True, **kwargs
-    ):
-        """hidden_states [B, S, H] -> `layer_outputs` (hidden_states, Routing | None, self-attention weights | None).
-        Tensors that carry gradients (hidden states, position bias) come positionally, as reentrant gradient
-        checkpointing needs (GradientCheckpointingLayer)."""
-        hidden_states, weights = self._self_attention(hidden_states, attention_mask, position_bias, **kwargs)
-        hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
-        return layer_outputs(hidden_states, routing, weights)
+    def __init__(self, config: Seq2SeqMoEConfig, layer_idx: int, is_moe: bool):
+        super().__init__(config, Seq2SeqMoEAttention(config, layer_idx), is_moe)
 
 
-class Seq2SeqMoEDecoderLayer(Seq2SeqMoEEncoderLayer):
+class Seq2SeqMoEDecoderLayer(MoETransformerLayer):
     """Causal self-attention, cross-attention over the encoder output, then the FFN (dense or MoE)."""
 
     def __init__(self, config: Seq2SeqMoEConfig, layer_idx: int, is_moe: bool):
-        super().__init__(config, layer_idx, is_moe, is_decoder=True)
-
-    def forward(
-        self,
-        hidden_states,
-        attention_mask=None,
-        position_bias=None,
-        encoder_hidden_states=None,
-        encoder_attention_mask=None,
-        cache=None,
-        token_mask=None,
-        compute_router_losses=True,
-        **kwargs,
-    ):
-        """hidden_states [B, L, H], encoder_hidden_states [B, S, H] -> `layer_outputs` (hidden_states, Routing | None,
-        (self-attention weights, cross-attention weights)); gradient-carrying tensors positionally, as the encoder
-        layer's."""
-        hidden_states, self_weights = self._self_attention(
-            hidden_states, attention_mask, position_bias, cache=cache, **kwargs
-        )
-        out, cross_weights = self.cross_attn(
-            self.cross_attn_layernorm(hidden_states),
-            attention_mask=encoder_attention_mask,
-            key_value_states=encoder_hidden_states,
-            cache=cache,
-            **kwargs,
-        )
-        hidden_states = hidden_states + self.dropout(out)
-        hidden_states, routing = self._feed_forward(hidden_states, token_mask, compute_router_losses)
-        return layer_outputs(hidden_states, routing, (self_weights, cross_weights))
+        self_attn = Seq2SeqMoEAttention(config, layer_idx, is_causal=True)
+        super().__init__(config, self_attn, is_moe, cross_attn=Seq2SeqMoEAttention(config, layer_idx, is_cross=True))
 
 
 class Seq2SeqMoEStack(nn.Module):
     """What the encoder and the decoder share: the (tied) token embedding, one relative position bias table, the
-    layers, the final norm."""
+    layers, the final norm, and the recording of their outputs (`_can_record_outputs`, `capture_moe_outputs`)."""
 
     bidirectional = True
+    _can_record_outputs: dict = {}
 
     def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding, layers: list[nn.Module]):
         super().__init__()
@@ -291,6 +180,8 @@ class Seq2SeqMoEStack(nn.Module):
         self.norm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.num_moe_layers = sum(layer.is_moe for layer in self.layers)
+        # Transformers' output hooks look a module's recorders up here (PreTrainedModel.__init__ does the same)
+        _CAN_RECORD_REGISTRY[self] = self._can_record_outputs
 
     def position_bias(self, query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
         """[1, N, query_length, key_length]: the bias of key j for query i (at absolute position past_length + i)."""
@@ -321,86 +212,56 @@ class Seq2SeqMoEStack(nn.Module):
         check_ids(input_ids, self.config.vocab_size, f"{stack}token ids".capitalize(), "Use the model's tokenizer.")
         return self.embed_tokens(input_ids)
 
-    def _output(self, hidden_states, routings, all_hidden, all_attn, output_router_logits, **fields):
-        hidden_states = self.dropout(self.norm(hidden_states))
-        if all_hidden is not None:
-            all_hidden.append(hidden_states)
-        aux_loss, z_loss = mean_router_losses(routings)
+    def _output(self, hidden_states, aux_loss, z_loss, **fields) -> Seq2SeqMoEStackOutput:
         return Seq2SeqMoEStackOutput(
-            last_hidden_state=hidden_states,
-            hidden_states=tuple(all_hidden) if all_hidden is not None else None,
-            attentions=tuple(all_attn) if all_attn is not None else None,
-            router_logits=tuple(r.router_logits for r in routings) if output_router_logits else None,
-            router_expert_ids=tuple(r.expert_ids for r in routings) if output_router_logits else None,
+            last_hidden_state=self.dropout(self.norm(hidden_states)),
             router_losses=(aux_loss, z_loss) if aux_loss is not None else None,
             **fields,
         )
 
 
-def _flags(config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses):
-    """Config defaults; router losses (default: with gradients or router logits) only cost time while decoding."""
-    output_router_logits = output_router_logits if output_router_logits is not None else config.output_router_logits
-    return (
-        output_attentions if output_attentions is not None else config.output_attentions,
-        output_hidden_states if output_hidden_states is not None else config.output_hidden_states,
-        output_router_logits,
-        compute_router_losses if compute_router_losses is not None else torch.is_grad_enabled() or output_router_logits,
-    )
-
-
 class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
+    """The bidirectional encoder stack."""
+    _can_record_outputs = output_recorders(Seq2SeqMoEEncoderLayer, Seq2SeqMoEAttention)
+
     def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding):
         layers = [
             Seq2SeqMoEEncoderLayer(config, i, config.is_encoder_moe_layer(i)) for i in range(config.num_hidden_layers)
         ]
         super().__init__(config, embed_tokens, layers)
 
+    @capture_moe_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool | None = None,
         compute_router_losses: bool | None = None,
         **kwargs,
     ) -> Seq2SeqMoEStackOutput:
-        """input_ids [B, S], attention_mask [B, S] (0 for padding) -> last_hidden_state [B, S, H] and router outputs."""
-        kwargs.pop("return_dict", None)  # `generate` asks for a ModelOutput, which is what this returns
-        output_attentions, output_hidden_states, output_router_logits, compute_router_losses = _flags(
-            self.config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses
-        )
+        """input_ids [B, S], attention_mask [B, S] (0 for padding) -> last_hidden_state [B, S, H] and router outputs;
+        output flags as `capture_moe_outputs` reads them."""
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         mask = create_bidirectional_mask(config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask)
         S = inputs_embeds.shape[1]
         position_bias = self.position_bias(S, S, 0, inputs_embeds.device)
         token_mask = routing_token_mask(attention_mask, compute_router_losses)
-
-        hidden_states = self.dropout(inputs_embeds)
-        all_hidden = [] if output_hidden_states else None
-        all_attn = [] if output_attentions else None
-        routings = []
-        for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(hidden_states)
-            hidden_states, routing, weights = unpack_layer_outputs(layer(
-                hidden_states,
-                mask,
-                position_bias,
-                token_mask=token_mask,
-                compute_router_losses=compute_router_losses,
-                **kwargs,
-            ))
-            if routing is not None:
-                routings.append(routing)
-            if all_attn is not None:
-                all_attn.append(weights)
-        return self._output(hidden_states, routings, all_hidden, all_attn, output_router_logits)
+        hidden_states, aux_loss, z_loss = run_layers(
+            self.layers,
+            self.dropout(inputs_embeds),
+            mask,
+            position_bias,
+            token_mask=token_mask,
+            compute_router_losses=compute_router_losses,
+            **kwargs,
+        )
+        return self._output(hidden_states, aux_loss, z_loss)
 
 
 class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
+    """The causal decoder stack, cross-attending to the encoder output; its cache is an `EncoderDecoderCache`."""
     bidirectional = False
+    _can_record_outputs = output_recorders(Seq2SeqMoEDecoderLayer, Seq2SeqMoEAttention, cross_attention=True)
 
     def __init__(self, config: Seq2SeqMoEConfig, embed_tokens: nn.Embedding):
         layers = [
@@ -420,6 +281,7 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
                 part.layers.extend(DynamicLayer() for _ in range(len(self.layers) - len(part.layers)))
         return cache
 
+    @capture_moe_outputs
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -430,18 +292,12 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         cache: Cache | None = None,
         use_cache: bool | None = None,
         token_mask: torch.Tensor | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool | None = None,
         compute_router_losses: bool | None = None,
         **kwargs,
     ) -> Seq2SeqMoEStackOutput:
         """input_ids [B, L] (the new tokens when cache holds P earlier ones), attention_mask [B, P + L],
         encoder_hidden_states [B, S, H], encoder_attention_mask [B, S], token_mask [B, L] (False: not routed for
         losses/statistics) -> last_hidden_state [B, L, H], cache, router outputs."""
-        output_attentions, output_hidden_states, output_router_logits, compute_router_losses = _flags(
-            self.config, output_attentions, output_hidden_states, output_router_logits, compute_router_losses
-        )
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         inputs_embeds = self._embed(input_ids, inputs_embeds)
         cache = self._cache(cache, use_cache)
@@ -465,55 +321,27 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
             attention_mask = attention_mask[:, -L:].bool()
             token_mask = attention_mask if token_mask is None else token_mask.bool() & attention_mask
         token_mask = routing_token_mask(token_mask, compute_router_losses)
-
-        hidden_states = self.dropout(inputs_embeds)
-        all_hidden = [] if output_hidden_states else None
-        all_attn = [] if output_attentions else None
-        all_cross = [] if output_attentions else None
-        routings = []
-        for layer in self.layers:
-            if all_hidden is not None:
-                all_hidden.append(hidden_states)
-            hidden_states, routing, (self_weights, cross_weights) = unpack_layer_outputs(layer(
-                hidden_states,
-                causal_mask,
-                position_bias,
-                encoder_hidden_states,
-                cross_mask,
-                cache=cache,
-                token_mask=token_mask,
-                compute_router_losses=compute_router_losses,
-                **kwargs,
-            ))
-            if routing is not None:
-                routings.append(routing)
-            if all_attn is not None:
-                all_attn.append(self_weights)
-                all_cross.append(cross_weights)
-        return self._output(
-            hidden_states,
-            routings,
-            all_hidden,
-            all_attn,
-            output_router_logits,
-            cache=cache if use_cache else None,
-            cross_attentions=tuple(all_cross) if all_cross is not None else None,
+        hidden_states, aux_loss, z_loss = run_layers(
+            self.layers,
+            self.dropout(inputs_embeds),
+            causal_mask,
+            position_bias,
+            encoder_hidden_states,
+            cross_mask,
+            cache=cache,
+            token_mask=token_mask,
+            compute_router_losses=compute_router_losses,
+            **kwargs,
         )
+        return self._output(hidden_states, aux_loss, z_loss, cache=cache if use_cache else None)
 
 
-def combine_router_losses(*stacks: tuple[tuple[torch.Tensor, torch.Tensor] | None, int]):
-    """(router_losses, number of MoE layers) per stack -> (aux_loss, z_loss) averaged over all MoE layers, as if one
-    list of layers (so the coefficients mean the same for any split between encoder and decoder)."""
-    present = [(losses, n) for losses, n in stacks if losses is not None and n > 0]
-    if not present:
-        return None, None
-    total = sum(n for _, n in present)
-    aux = sum(losses[0] * n for losses, n in present) / total
-    z = sum(losses[1] * n for losses, n in present) / total
-    return aux, z
+# each stack's fields of the model output, prefixed with "encoder_" / "decoder_"
+_STACK_FIELDS = ("hidden_states", "attentions", "router_logits", "router_expert_ids", "aux_loss", "z_loss")
 
 
 class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
+    """Base of the Seq2Seq-MoE classes: tied-embedding loading and T5's label shift."""
     config: Seq2SeqMoEConfig
     config_class = Seq2SeqMoEConfig
     _no_split_modules = ["Seq2SeqMoEEncoderLayer", "Seq2SeqMoEDecoderLayer"]
@@ -551,6 +379,8 @@ class Seq2SeqMoEPreTrainedModel(MoEPreTrainedModel):
 
 
 class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
+    """The shared embedding, the encoder and the decoder: the decoder's last_hidden_state [B, L, H] and both stacks'
+    outputs."""
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel"}
     _tied_weights_keys = {
         "encoder.embed_tokens.weight": "shared.weight",
@@ -577,8 +407,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = new_embeddings
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
-    @can_return_tuple
+    @model_forward
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -590,24 +419,18 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         decoder_inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool | None = None,
         decoder_token_mask: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
         **kwargs,
     ) -> Seq2SeqMoEModelOutputWithLosses:
         """The encoder runs unless `encoder_outputs` is given (as `generate` does after its first step).
-        decoder_token_mask [B, L]: decoder tokens that count in router losses/statistics (besides the mask)."""
-        kwargs.pop("return_dict", None)
-        flags = dict(
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
-            compute_router_losses=compute_router_losses,
-        )
+        decoder_token_mask [B, L]: decoder tokens that count in router losses/statistics (besides the mask).
+        output_attentions, output_hidden_states, output_router_logits: keyword flags for both stacks
+        (`capture_moe_outputs`)."""
         if encoder_outputs is None:
-            encoder_outputs = self.encoder(input_ids, attention_mask, inputs_embeds, **flags, **kwargs)
+            encoder_outputs = self.encoder(
+                input_ids, attention_mask, inputs_embeds, compute_router_losses=compute_router_losses, **kwargs
+            )
         elif isinstance(encoder_outputs, (tuple, list)):  # return_dict=False style: (last_hidden_state, ...)
             encoder_outputs = Seq2SeqMoEStackOutput(last_hidden_state=encoder_outputs[0])
         decoder_outputs = self.decoder(
@@ -619,30 +442,20 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
             cache=cache,
             use_cache=use_cache,
             token_mask=decoder_token_mask,
-            **flags,
+            compute_router_losses=compute_router_losses,
             **kwargs,
         )
         aux_loss, z_loss = combine_router_losses(
             (getattr(encoder_outputs, "router_losses", None), self.encoder.num_moe_layers),
             (decoder_outputs.router_losses, self.decoder.num_moe_layers),
         )
+        stacks = {"encoder": encoder_outputs, "decoder": decoder_outputs}
         return Seq2SeqMoEModelOutputWithLosses(
             last_hidden_state=decoder_outputs.last_hidden_state,
             cache=decoder_outputs.cache,
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            decoder_attentions=decoder_outputs.attentions,
-            decoder_router_logits=decoder_outputs.router_logits,
             cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
-            encoder_attentions=encoder_outputs.attentions,
-            encoder_router_logits=getattr(encoder_outputs, "router_logits", None),
-            encoder_router_expert_ids=getattr(encoder_outputs, "router_expert_ids", None),
-            decoder_router_expert_ids=decoder_outputs.router_expert_ids,
-            encoder_aux_loss=getattr(encoder_outputs, "aux_loss", None),
-            encoder_z_loss=getattr(encoder_outputs, "z_loss", None),
-            decoder_aux_loss=decoder_outputs.aux_loss,
-            decoder_z_loss=decoder_outputs.z_loss,
+            **{f"{name}_{field}": getattr(out, field, None) for name, out in stacks.items() for field in _STACK_FIELDS},
             aux_loss=aux_loss,
             z_loss=z_loss,
         )
@@ -672,8 +485,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         """Used by DataCollatorForSeq2Seq to build decoder_input_ids."""
         return self._shift_right(labels)
 
-    @deprecate_kwarg("past_key_values", "5.40.0", new_name="cache")  # Transformers 5.24 renamed it
-    @can_return_tuple
+    @model_forward
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -686,15 +498,12 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        output_attentions: bool | None = None,
-        output_hidden_states: bool | None = None,
-        output_router_logits: bool | None = None,
         **kwargs,
     ) -> Seq2SeqMoELMOutput:
         """labels [B, L] (-100: ignored) give the loss and, unless decoder inputs are passed, the decoder inputs
-        (`_shift_right`). Router losses count the tokens the LM loss counts."""
+        (`_shift_right`). Router losses count the tokens the LM loss counts. A batch without a target label has loss 0
+        (`model_loss`)."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-        kwargs.pop("return_dict", None)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
         out = self.model(
@@ -708,9 +517,6 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            output_router_logits=output_router_logits,
             decoder_token_mask=labels != -100 if labels is not None else None,
             compute_router_losses=True if labels is not None else None,
             **kwargs,
@@ -723,33 +529,9 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
 
         loss = None
         if labels is not None:
-            warn_if_no_targets(labels)
-            loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
-            if out.aux_loss is not None:
-                config = self.config
-                weight = router_loss_weight(labels, num_items_in_batch)
-                loss = loss + weight * (config.router_aux_loss_coef * out.aux_loss + config.router_z_loss_coef * out.z_loss)
-        return Seq2SeqMoELMOutput(
-            loss=loss,
-            logits=logits,
-            cache=out.cache,
-            decoder_hidden_states=out.decoder_hidden_states,
-            decoder_attentions=out.decoder_attentions,
-            decoder_router_logits=out.decoder_router_logits,
-            cross_attentions=out.cross_attentions,
-            encoder_last_hidden_state=out.encoder_last_hidden_state,
-            encoder_hidden_states=out.encoder_hidden_states,
-            encoder_attentions=out.encoder_attentions,
-            encoder_router_logits=out.encoder_router_logits,
-            encoder_router_expert_ids=out.encoder_router_expert_ids,
-            decoder_router_expert_ids=out.decoder_router_expert_ids,
-            encoder_aux_loss=out.encoder_aux_loss,
-            encoder_z_loss=out.encoder_z_loss,
-            decoder_aux_loss=out.decoder_aux_loss,
-            decoder_z_loss=out.decoder_z_loss,
-            aux_loss=out.aux_loss,
-            z_loss=out.z_loss,
-        )
+            lm_loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+            loss = model_loss(lm_loss, labels, num_items_in_batch, self.config, out.aux_loss, out.z_loss)
+        return head_output(Seq2SeqMoELMOutput, out, loss=loss, logits=logits)
 
 
 __all__ = [

@@ -1,12 +1,15 @@
 """Model-agnostic MoE building blocks (single device; parallelism is applied from `hf_ppmoe.parallel`)."""
 
-from .experts import MLP, Experts, einsum_dispatch, index_dispatch
+from .experts import EXPERTS_FUNCTIONS, MLP, Experts, einsum_dispatch, index_dispatch
+from .kernels import CAPABILITIES, capability_table
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
 from .layer import MoELayer
 from .losses import load_balancing_loss, router_loss, router_z_loss
 from .routing import Routing, capacity_for, group_size_for, positions_in_expert
 
 __all__ = [
+    "CAPABILITIES",
+    "EXPERTS_FUNCTIONS",
     "GATES",
     "Experts",
     "GShardGate",
@@ -17,6 +20,7 @@ __all__ = [
     "Routing",
     "SwitchGate",
     "TopKGate",
+    "capability_table",
     "capacity_for",
     "einsum_dispatch",
     "get_gate_class",

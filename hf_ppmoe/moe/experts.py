@@ -11,29 +11,34 @@ orientation makes no measurable difference; for the few rows of decoding, with t
 is 11-28% faster on CPU than input-first storage (benchmarks/RESULTS.md, Generation).
 
 It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])`; ids equal to
-`num_experts` are skipped. The implementation is picked by `config.dispatch`:
+`num_experts` are skipped. `Experts.forward` looks its implementation up in one registry, `EXPERTS_FUNCTIONS`
+(Transformers' `ExpertsInterface` with ours added), by the name `Experts.implementation` gives for the call:
 
-- `index`  (PPMoE Algorithm 1, the default): sort the routes by expert once, `index_select` the tokens each expert
-           gets, run the experts one after another on their contiguous slices, weight, and add back with `index_add`.
-           Work is proportional to the routes that reach an expert; no padding, no one-hot tensors.
-- `einsum` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums over a
-           static per-expert buffer. Memory and time grow with E * C; kept as the reference formulation.
+- `dispatch="index"` (PPMoE Algorithm 1, the default): the capability table (`kernels.CAPABILITIES`) picks
+  `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, weight, scatter back:
+  work proportional to the routes, no padding, no one-hot tensors) or, without gradients, `all_experts` /
+  `cpu_decode` (decoding forms).
+- `dispatch="einsum"` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums
+  over a static per-expert buffer. Memory and time grow with E * C; kept as the reference formulation.
 - any name registered in Transformers' `ExpertsInterface` (`grouped_mm`, `batched_mm`, ...): their kernels run on
-           our weights unchanged.
+  our weights unchanged; `grouped_mm` only where the table gives torch's kernel (else the table's choice).
 
 All give the same numbers for the same routing.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
+from transformers.integrations.moe import ExpertsInterface
 
-from .routing import group_size_for, positions_in_expert
+from .kernels import aligned, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
+from .routing import capacity_for, group_size_for, positions_in_expert
 
 
 class MLP(nn.Module):
@@ -81,6 +86,7 @@ class Experts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
         self.swiglu = self.has_gate and config.hidden_act in ("silu", "swish")
         self.dispatch = config.dispatch
+        warn_if_no_grouped_mm()
         # attributes read by Transformers' experts kernels; sentinel routes are masked there when this is True
         self.config = config
         self.is_transposed = False
@@ -115,14 +121,29 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # exactly these three positional arguments: Transformers' expert-parallel wrapper calls it this way too
-        if self.dispatch == "index":
-            return index_dispatch(self, hidden_states, expert_ids, weights)
-        if self.dispatch == "einsum":
-            group_size = group_size_for(len(hidden_states), self.config.router_num_groups)
-            return einsum_dispatch(self, hidden_states, expert_ids, weights, group_size)
-        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        return EXPERTS_FUNCTIONS[self.implementation(hidden_states, expert_ids)](self, hidden_states, expert_ids, weights)
 
-        return ALL_EXPERTS_FUNCTIONS[self.dispatch](self, hidden_states, expert_ids, weights)
+    def implementation(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor) -> str:
+        """The name in `EXPERTS_FUNCTIONS` that runs this call. `dispatch="index"`: the capability table's choice
+        (`kernels.CAPABILITIES`); Transformers' `grouped_mm` where the table gives torch's kernel, else the table's
+        choice too (float64, sizes off the kernel's 16-byte rule, ...); any other name as set."""
+        if self.dispatch == "grouped_mm" and table_choice(self, hidden_states, expert_ids, grad=True) == "index_kernel":
+            return "grouped_mm"
+        if self.dispatch in ("index", "grouped_mm"):
+            return table_choice(self, hidden_states, expert_ids, torch.is_grad_enabled())
+        return self.dispatch
+
+
+def table_choice(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, grad: bool) -> str:
+    """The capability table's implementation for this call: device, compute capability, compute dtype (autocast's
+    where it is on), eager or compiled, gradients, tokens and routes, and the kernel's 16-byte rule on H and I."""
+    device, dtype = x.device, x.dtype
+    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
+        dtype = torch.get_autocast_dtype(device.type)
+    T, K = expert_ids.shape
+    ok = aligned(dtype, experts.hidden_dim, experts.intermediate_dim)
+    row = capability(device.type, device_capability(device), dtype, torch.compiler.is_compiling(), grad, T, T * K, ok)
+    return row.implementation
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -152,23 +173,30 @@ class _SwiGLU(torch.autograd.Function):
         return grad_gate_up
 
 
-def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def computes_in_autocast_dtype(fn):
+    """Run `fn(experts, x, ...)` with x in autocast's dtype and autocast off: the experts compute in that dtype, as
+    nn.Linear layers would (grouped GEMMs are not autocast operators)."""
+
+    @functools.wraps(fn)
+    def wrapper(experts, x, *args):
+        device = x.device.type
+        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+            with torch.autocast(device, enabled=False):
+                return fn(experts, x.to(torch.get_autocast_dtype(device)), *args)
+        return fn(experts, x, *args)
+
+    return wrapper
+
+
+def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, kernel: bool):
     """PPMoE Algorithm 1 on the device with static shapes: sort the T*K routes by expert once (sentinel routes sort
     last), gather every route's token row with `index_select`, run all experts as two grouped GEMMs over the sorted
     rows with device-side offsets, weight, and put each route's output back in token order to sum over its K routes.
 
-    Nothing leaves the device and no shape depends on the routing, so a training step makes no host sync and
-    `torch.compile` traces the layer as one graph; the number of operators does not grow with E. Sentinel rows (dropped,
-    padding or off-rank routes) are computed on zeros past the last offset and masked out, never removed."""
-    device = x.device.type
-    if torch.is_autocast_enabled(device):
-        # the experts run in autocast's dtype, as nn.Linear layers would; done by hand because grouped GEMMs are not
-        # autocast operators
-        with torch.autocast(device, enabled=False):
-            return index_dispatch(experts, x.to(torch.get_autocast_dtype(device)), expert_ids, weights)
+    No shape depends on the routing, so `torch.compile` traces the layer as one graph and the number of operators does
+    not grow with E; with torch's kernel (`kernel=True`) nothing leaves the device. Sentinel rows (dropped, padding or
+    off-rank routes) are computed on zeros past the last offset and masked out, never removed."""
     T, K = expert_ids.shape
-    if T * K <= 2 and device == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        return _few_routes_on_cpu(experts, x, expert_ids, weights)
     E = experts.num_experts
     sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)  # [T*K], by expert then route; sentinels last
     counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
@@ -179,10 +207,10 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
     x_routed = x.index_select(0, order // K).masked_fill_(~valid, 0.0)  # [T*K, H]
     w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
     rows_expert = sorted_ids.clamp(max=E - 1)
-    h = grouped_mm(x_routed, w_in, offsets)
+    h = grouped_mm(x_routed, w_in, offsets, kernel)
     if b_in is not None:  # masked: the undefined gradients of sentinel rows must not reach expert E-1's bias
         h = h + torch.where(valid, b_in.index_select(0, rows_expert), 0.0)
-    y = grouped_mm(experts._activate(h), w_out, offsets)
+    y = grouped_mm(experts._activate(h), w_out, offsets, kernel)
     if b_out is not None:
         y = y + b_out.index_select(0, rows_expert)
     # masked before the weighting: rows past the last offset are not computed by the kernel and may hold NaN, which a
@@ -193,10 +221,49 @@ def index_dispatch(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, 
     return y if K == 1 else y.view(T, K, -1).sum(dim=1)
 
 
-def _few_routes_on_cpu(experts, x, expert_ids, weights):
+@computes_in_autocast_dtype
+def index_kernel(experts, x, expert_ids, weights):
+    """`_index` on torch's grouped GEMM kernel."""
+    return _index(experts, x, expert_ids, weights, kernel=True)
+
+
+@computes_in_autocast_dtype
+def index_loop(experts, x, expert_ids, weights):
+    """`_index` on the per-expert loop (reads the E offsets on the host)."""
+    return _index(experts, x, expert_ids, weights, kernel=False)
+
+
+def index_dispatch(experts, x, expert_ids, weights):
+    """`dispatch="index"`: PPMoE Algorithm 1 or its decoding forms, as the capability table picks for this call."""
+    name = table_choice(experts, x, expert_ids, torch.is_grad_enabled())
+    return EXPERTS_FUNCTIONS[name](experts, x, expert_ids, weights)
+
+
+@computes_in_autocast_dtype
+def all_experts(experts, x, expert_ids, weights):
+    """Without gradients: every expert on every token (two batched GEMMs over [E, T, ...]), each token's output the
+    routing-weighted sum of its routed experts. No host read and no shape that depends on the routing (a CUDA graph
+    can capture it); E/K times the routed FLOPs, which decoding batches hide behind reading the weights."""
+    T, E = x.shape[0], experts.num_experts
+    routed = torch.zeros(T, E + 1, dtype=torch.bool, device=x.device).scatter_(1, expert_ids, True)[:, :E]
+    combine = torch.zeros(T, E + 1, dtype=x.dtype, device=x.device)
+    combine = combine.scatter_add_(1, expert_ids, weights.to(x.dtype))[:, :E]
+    w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
+    h = torch.matmul(x, w_in)  # [E, T, 2I or I]
+    if b_in is not None:
+        h = h + b_in.unsqueeze(1)
+    y = torch.matmul(experts._activate(h), w_out)  # [E, T, H]
+    if b_out is not None:
+        y = y + b_out.unsqueeze(1)
+    # selected, not multiplied: an unrouted expert's non-finite output must not reach the token (0 * inf is NaN)
+    y = torch.where(routed.t().unsqueeze(-1), y * combine.t().unsqueeze(-1), 0.0)
+    return y.sum(0)
+
+
+@computes_in_autocast_dtype
+def cpu_decode(experts, x, expert_ids, weights):
     """One or two routes (batch-1 decoding on CPU, eager only): each runs straight on its token's row with the stored
-    weights, a handful of operators whatever E is. Reading two ids on the host costs nothing on a CPU; on a GPU, and
-    under torch.compile, decoding takes the device path above (no sync, CUDA-graph friendly)."""
+    weights, a handful of operators whatever E is. Reading two ids on the host costs nothing on a CPU."""
     T, K = expert_ids.shape
     E = experts.num_experts
     out = x.new_zeros(T, x.shape[-1])
@@ -224,98 +291,6 @@ def _parameters(experts: Experts, dtype: torch.dtype):
     return w_in, None if b_in is None else b_in.to(dtype), w_out, None if b_out is None else b_out.to(dtype)
 
 
-# ---- grouped GEMM: torch's kernel where it runs, else one opaque per-expert loop ----
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def grouped_kernel_available(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `torch.nn.functional.grouped_mm` runs `x [N, in] @ w [E, in, out]` here: the torch build has it, the
-    dtype is one it takes (float32/bfloat16/float16; under torch.compile only bfloat16, the one its meta kernel
-    accepts), both matrix dimensions are multiples of 16 bytes (its stride rule), and on CUDA the GPU is sm80 or newer.
-    Decided from shapes, dtypes and the device alone, never by trying."""
-    if not hasattr(F, "grouped_mm") or x.dtype != w.dtype:
-        return False
-    if torch.compiler.is_compiling():
-        if x.dtype != torch.bfloat16:
-            return False
-    elif x.dtype not in _KERNEL_DTYPES:
-        return False
-    itemsize = x.element_size()
-    if (w.shape[1] * itemsize) % 16 or (w.shape[2] * itemsize) % 16:
-        return False
-    if x.device.type == "cuda":
-        return _sm80_or_newer(x.device)
-    return x.device.type == "cpu"
-
-
-@torch.compiler.assume_constant_result  # read once while tracing: torch.compile does not fold this CUDA query itself
-def _sm80_or_newer(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device) >= (8, 0)
-
-
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """y[rows of e] = x[rows of e] @ w[e] for the contiguous row blocks ending at `offsets` (int32 [E]). Rows past
-    `offsets[-1]` are left undefined (the caller masks them). x [N, in], w [E, in, out] (any strides) -> [N, out]."""
-    if grouped_kernel_available(x, w):
-        return F.grouped_mm(x.contiguous() if x.stride(-1) != 1 else x, w, offs=offsets)
-    return torch.ops.hf_ppmoe.grouped_mm_loop(x, w, offsets)
-
-
-# The fallback is a custom operator so that torch.compile sees one opaque node (no graph break) while it reads the
-# offsets on the host; it is the path for float64, sizes the kernel's alignment rule refuses, and non-bfloat16 models
-# under torch.compile. Its backward is a custom operator too, so autograd never looks inside the loop.
-
-
-@torch.library.custom_op("hf_ppmoe::grouped_mm_loop", mutates_args=())
-def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    y = x.new_zeros(x.shape[0], w.shape[2])
-    start = 0
-    for e, end in enumerate(offsets.tolist()):  # one host read of E offsets per call
-        if end > start:
-            torch.mm(x[start:end], w[e], out=y[start:end])
-        start = end
-    return y
-
-
-@_grouped_mm_loop.register_fake
-def _(x, w, offsets):
-    return x.new_empty(x.shape[0], w.shape[2])
-
-
-@torch.library.custom_op("hf_ppmoe::grouped_mm_loop_backward", mutates_args=())
-def _grouped_mm_loop_backward(
-    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(w)
-    start = 0
-    for e, end in enumerate(offsets.tolist()):
-        if end > start:
-            torch.mm(grad[start:end], w[e].t(), out=grad_x[start:end])
-            torch.mm(x[start:end].t(), grad[start:end], out=grad_w[e])
-        start = end
-    return grad_x, grad_w
-
-
-@_grouped_mm_loop_backward.register_fake
-def _(x, w, offsets, grad):
-    return torch.empty_like(x), torch.empty_like(w)
-
-
-def _grouped_mm_loop_setup(ctx, inputs, output):
-    x, w, offsets = inputs
-    ctx.save_for_backward(x, w, offsets)
-
-
-def _grouped_mm_loop_grad(ctx, grad):
-    x, w, offsets = ctx.saved_tensors
-    grad_x, grad_w = torch.ops.hf_ppmoe.grouped_mm_loop_backward(x, w, offsets, grad.contiguous())
-    return grad_x, grad_w, None
-
-
-_grouped_mm_loop.register_autograd(_grouped_mm_loop_grad, setup_context=_grouped_mm_loop_setup)
-
-
 def einsum_dispatch(
     experts: Experts,
     x: torch.Tensor,
@@ -326,9 +301,9 @@ def einsum_dispatch(
 ) -> torch.Tensor:
     """GShard Algorithm 2 with one-hot dispatch/combine tensors of shape [G, S, E, C].
 
-    C defaults to the largest per-group expert load of this batch: the gate has already applied any capacity (a
-    route over capacity arrives as the sentinel), so that is all the buffer has to hold. Pass the gate's capacity
-    for GShard's static shape.
+    C defaults to the largest per-group expert load of this batch on CPU in eager mode (the gate has already applied
+    any capacity: a route over capacity arrives as the sentinel), elsewhere (no host read) to the gate's capacity,
+    or S for a dropless gate.
 
     The dispatch and combine einsums sum over all tokens of a group with 0/1 coefficients, and 0 * NaN is NaN: a
     token with a non-finite input would turn every buffer slot, hence every token's output, NaN. Such tokens are
@@ -341,6 +316,13 @@ def einsum_dispatch(
     return out.masked_fill(~finite, float("nan"))
 
 
+def _gate_capacity(experts, top_k, group_size) -> int | None:
+    """The capacity the gate applied to this call's routes (None: dropless), from the config it was built with."""
+    config = experts.config
+    factor = config.capacity_factor if experts.training else config.eval_capacity_factor
+    return capacity_for(factor, top_k, group_size, config.num_experts)
+
+
 def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> torch.Tensor:
     T, K = expert_ids.shape
     E, H = experts.num_experts, x.shape[-1]
@@ -351,8 +333,8 @@ def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> t
     if capacity is None:
         if x.device.type == "cpu" and not torch.compiler.is_compiling():
             capacity = int(positions.masked_fill(~routed, -1).max().item()) + 1 if bool(routed.any()) else 1
-        else:  # no host read: an expert takes each token of a group at most once, so S slots always suffice
-            capacity = S
+        else:  # no host read: the gate's capacity bounds every kept route's slot; dropless, S slots always suffice
+            capacity = min(S, _gate_capacity(experts, K, S) or S)
     # [T, K, E] x [T, K, C] -> [T, E, C]; sentinel routes have an all-zero expert one-hot
     expert_1h = F.one_hot(expert_ids, E + 1)[..., :E].to(x.dtype)
     slot_1h = F.one_hot(positions.clamp(0, capacity - 1), capacity).to(x.dtype) * routed.unsqueeze(-1)
@@ -375,3 +357,21 @@ def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> t
         y = y + experts.down_proj_bias[:, None, None, :]
     out = torch.einsum("gsec,egcm->gsm", combine, y)
     return out.reshape(G * S, H)[:T]
+
+
+def _einsum_experts(experts, x, expert_ids, weights):
+    """`dispatch="einsum"`: GShard's groups as the gate made them."""
+    return einsum_dispatch(experts, x, expert_ids, weights, group_size_for(len(x), experts.config.router_num_groups))
+
+
+# One registry: Transformers' experts implementations (`grouped_mm`, `batched_mm`, ...) and ours; a name registered on
+# Transformers' `ExpertsInterface` is found here too.
+EXPERTS_FUNCTIONS = ExpertsInterface()
+EXPERTS_FUNCTIONS.update(
+    index=index_dispatch,
+    index_kernel=index_kernel,
+    index_loop=index_loop,
+    all_experts=all_experts,
+    cpu_decode=cpu_decode,
+    einsum=_einsum_experts,
+)

@@ -47,6 +47,7 @@ def register_gate(name: str):
 
 
 def get_gate_class(name: str) -> type[Gate]:
+    """The gate class registered as `name`; ValueError listing the known ones otherwise."""
     if name not in GATES:
         raise ValueError(
             f"Unknown router_type {name!r}. Known gates: {', '.join(sorted(GATES))}. "
@@ -100,9 +101,11 @@ class Gate(nn.Module):
         return expert_ids
 
     def load_balancing_loss(self, probs, assignment, token_mask, group_size):
+        """The aux loss (GShard's, `losses.load_balancing_loss`); a gate may average it over its own groups."""
         return load_balancing_loss(probs, assignment, token_mask, group_size)
 
     def z_loss(self, logits, token_mask):
+        """The router z-loss (`losses.router_z_loss`) of logits [T, E]."""
         return router_z_loss(logits, token_mask)
 
     def _uniform(self, shape, device) -> torch.Tensor:

@@ -23,6 +23,8 @@ from .routing import Routing
 
 
 class MoELayer(nn.Module):
+    """Gate + experts (+ shared expert) for one FFN slot (see the module docstring); the gate is the config's
+    `router_type`, the experts' dispatch its `dispatch`."""
     def __init__(self, config):
         super().__init__()
         self.gate = get_gate_class(config.router_type)(config)
@@ -49,6 +51,7 @@ class MoELayer(nn.Module):
         self, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool
     ) -> tuple[torch.Tensor, Routing]:
         """Gate + routed experts: x [T, H] -> (their output [T, H], Routing). Expert parallelism
-        (`hf_ppmoe.parallel`) wraps this method, the part of the layer it splits over ranks."""
+        (`hf_ppmoe.parallel.expert_parallel.PPMoELayer`) overrides this method, the part of the layer it splits over
+        ranks."""
         routing = self.gate(x, token_mask, compute_losses=compute_losses)
         return self.experts(x, routing.expert_ids, routing.weights.to(x.dtype)), routing

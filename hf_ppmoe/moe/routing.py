@@ -36,6 +36,7 @@ class Routing(NamedTuple):
 
     @property
     def top_k(self) -> int:
+        """K: routes per token."""
         return self.expert_ids.shape[-1]
 
 

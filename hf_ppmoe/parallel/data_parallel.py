@@ -1,31 +1,13 @@
 """Sharded data parallelism (FSDP2, HSDP) for our models and pipeline stages, and experts spread across data-parallel
 ranks (expert parallelism wider than the tensor-parallel group).
 
-Engine: torch's FSDP2 `fully_shard`, applied to a built model from outside like the rest of hf_ppmoe.parallel.
-It shards every parameter on dim 0 as a DTensor, all-gathers a layer's parameters before its forward (and again
-for its backward), frees them after, and reduce-scatters the gradients, so parameters, gradients and Adam state
-per rank are 1 / fsdp of what each replica would hold. Why this engine and not the other two the stack offers:
+`fully_shard_model(module, mesh)` applies torch's FSDP2 `fully_shard` from outside, after any tensor or expert
+parallelism: one FSDP group per decoder layer, the rest (embeddings, final norms, head) in the root group; HSDP on a
+(dp, fsdp) mesh with both > 1. With `parallelize(model, tp, ep=...)` (ep = k x tp) each MoE layer's experts are split
+over k tensor-parallel groups that read different batches and reached by Transformers' all-to-all
+(`AllToAllWithDrops`); FSDP shards each experts module over its copies (`ExpertMesh.replicas`).
 
-- It composes with what we already build: with the tensor-parallel DTensors `parallelize` makes (one root mesh, the
-  placements nest: `(_StridedShard(0), Shard(0))`), with PPMoE (plain autograd collectives on the TP group, which
-  FSDP does not see), with Transformers' all-to-all expert parallelism (experts sharded over their own ranks), and
-  with `torch.distributed.pipelining`, whose stages know FSDP modules (gradient sync on the last microbatch only).
-  Checkpoints are DTensor state dicts for torch.distributed.checkpoint, like the tensor-parallel ones before.
-- Transformers' `DistributedConfig(fsdp_size=...)` applies the same `fully_shard`, but owns the mesh and the model
-  build (`from_pretrained`), refuses FSDP with pipeline parallelism, and does not know our `Pipeline` stages.
-- Accelerate's FSDP2 plugin wraps the model inside `accelerator.prepare`, and Accelerate refuses a tensor-parallel
-  `ParallelismConfig` on CPU processes; our split model stays outside `prepare` (train.py says why).
-
-`fully_shard_model(module, mesh)` makes one FSDP group per decoder layer (each `*.layers` ModuleList entry, in both
-stacks of an encoder-decoder) and puts the rest (embeddings, final norms, head: whatever the model or pipeline stage
-holds besides its layers) in the root group, which stays gathered between forward and backward. On a (dp, fsdp)
-mesh with both > 1 this is HSDP: sharded within a replica, gradients all-reduced across replicas.
-
-Experts on more ranks than a TP group (`parallelize(model, tp, ep=...)`, `ep = k x tp`): each MoE layer's experts
-are split over k tensor-parallel groups that read different batches; Transformers' all-to-all sends every route to
-its expert's rank and back (`AllToAllWithDrops`, which also accepts the routes a capacity-limited gate dropped).
-FSDP then shards each experts module over the copies of those experts (`ExpertMesh.replicas`) and, since one copy's
-gradient already sums k batches, divides it by the whole data-parallel size rather than by the copies.
+docs/parallel.md says why FSDP2 rather than Transformers' or Accelerate's FSDP.
 """
 
 from __future__ import annotations
@@ -39,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface
 
 from .mesh import ExpertMesh
+from .modules import ExpertParallel, become
 
 ALL_TO_ALL = "all_to_all_with_drops"
 
@@ -48,6 +31,14 @@ class AllToAllWithDrops(AllToAllEP):
     `num_experts`, weight 0) would index past Transformers' per-expert counts; it is sent to this rank's own first
     expert instead (no traffic, one wasted row per dropped route) and its weight 0 removes it from the output and
     from every gradient."""
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        n = self.num_local_experts
+        become(
+            experts, ExpertParallel, ALL_TO_ALL, ep_mesh,
+            first_expert=ep_mesh.get_local_rank() * n, num_global_experts=n * ep_mesh.size(),
+        )
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
         n = self.num_local_experts
@@ -74,7 +65,7 @@ def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh |
         data_parallel = mesh["dp"].size() * mesh["fsdp"].size()
         copies = experts.replicas["efsdp"].size()
         for m in module.modules():
-            if getattr(m, "_is_expert_parallel", False):  # split by Transformers' grouped_gemm rule on experts.ep
+            if isinstance(m, ExpertParallel):  # split by Transformers' grouped_gemm rule on experts.ep
                 fully_shard(m, mesh=experts.replicas)
                 m.set_gradient_divide_factor(float(data_parallel))
                 # FSDP applies a divide factor other than the group size with PREMUL_SUM, which gloo lacks (and NCCL

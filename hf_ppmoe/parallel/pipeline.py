@@ -1,39 +1,16 @@
 """Pipeline parallelism: stages cut from our own model classes, run by `torch.distributed.pipelining` schedules.
 
-    rank 0 (stage 0)                        rank 1 (stage 1, last)
-    embeddings, layers [0, L/2)  ──hidden──>  layers [L/2, L), norm, head ──> loss per microbatch
-                                <──grad────
+`Pipeline(model, pp_group, num_microbatches=M)` keeps this rank's stage of a built model (`GPTMoEStage`, or
+`Seq2SeqMoEStage`, which cuts the encoder's layers then the decoder's and passes the encoder output along), and
+`step(input_ids, labels, attention_mask)` runs one GPipe or 1F1B iteration: every stage's parameters get the gradient
+a single device accumulates over the same microbatches, the LM loss a token mean over the whole batch plus the mean
+of the microbatches' `hf_ppmoe.moe.losses.router_loss`. Router losses stay in their stage's graph; parameters that
+several stages hold get the sum of their copies' gradients. With `tp=...` each stage is also split (`parallelize`).
 
-`Pipeline(model, pp_group, num_microbatches=M)` keeps this rank's part of a built model (every rank builds the whole
-model with the same weights first) and `step(input_ids, labels, attention_mask)` runs one GPipe or 1F1B iteration:
-the batch is cut into M microbatches along dim 0, and every stage's parameters end up with the gradient of
-
-    loss = sum over microbatches of CE_sum(mb) / N  +  mean over microbatches of router_loss(mb)
-
-where N counts the label tokens of the whole batch (so padding and ignore_index weigh as in a full-batch token mean;
-with equal microbatches this is the mean of the microbatch losses) and router_loss is the model's
-`router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss` of that microbatch. This is the gradient a single
-device accumulates over the same microbatches (PPMoE Sec. 3.3.6); the returned loss is that value, on every rank.
-
-Router losses of a stage's MoE layers are part of that stage's graph: their gradient is injected where the stage's
-output gradient arrives (Megatron's aux-loss auto-scaler), so nothing but activations crosses stages.
-
-An encoder-decoder (Seq2Seq-MoE) is cut as one list of layers, the encoder's then the decoder's. The encoder output
-travels with the decoder's hidden states through every later stage (each cross-attends to it), so its gradient
-flows back from all of them to the encoder:
-
-    stage 0: embed, encoder [0, 2)  ──enc hidden──>  stage 1: encoder [2, E), norm; embed, decoder [0, 1)
-        ──(dec hidden, enc output)──>  stage 2: decoder [1, D), norm, head
-
-Parameters that several stages hold (a head tied to the embeddings; Seq2Seq-MoE's embeddings, used by both stacks,
-and each stack's relative position bias table, used by all its layers) get the sum of their copies' gradients.
-
-With `tp=...` every stage is also split over its tensor-parallel group (`parallelize`): TP x PP on a (pp, tp) mesh.
+docs/parallel.md draws the stages and the loss.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.distributed as dist
@@ -41,11 +18,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
-from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from ..modeling.common import layer_outputs
+from ..modeling.common import NoPositions
 from ..moe.layer import MoELayer
+from ..moe.losses import router_loss
 from .tensor_parallel import parallelize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -61,11 +38,11 @@ def split_layers(num_layers: int, num_stages: int) -> list[range]:
 
 
 class _RouterLossGrad(torch.autograd.Function):
-    """Identity on `hidden`; in backward, also gives `router_loss` the gradient `scale` (its weight in the loss)."""
+    """Identity on `hidden`; in backward, also gives the router `loss` the gradient `scale` (its weight in the loss)."""
 
     @staticmethod
-    def forward(ctx, hidden, router_loss, scale):
-        ctx.scale, ctx.dtype = scale, router_loss.dtype
+    def forward(ctx, hidden, loss, scale):
+        ctx.scale, ctx.dtype = scale, loss.dtype
         return hidden.view_as(hidden)
 
     @staticmethod
@@ -107,8 +84,7 @@ class _Stage(nn.Module):
             return hidden
         aux, z = sum(a for a, _ in parts), sum(z for _, z in parts)
         self.router_losses.append(torch.stack([aux, z]).detach())
-        router_loss = config.router_aux_loss_coef * aux + config.router_z_loss_coef * z
-        return _RouterLossGrad.apply(hidden, router_loss, self.router_loss_grad_scale)
+        return _RouterLossGrad.apply(hidden, router_loss(config, aux, z), self.router_loss_grad_scale)
 
     @staticmethod
     def _received(*tensors):
@@ -120,58 +96,6 @@ class _Stage(nn.Module):
     def shared_parameters(self) -> dict[str, nn.Parameter]:
         """Parameters other stages also hold, by a name every stage uses for them."""
         return {}
-
-
-class _NoPositions(nn.Module):
-    """Stands in for learned position embeddings after the first stage (the input already carries them)."""
-
-    def forward(self, position_ids):
-        return 0.0
-
-
-class _LayerOfAnotherStage(nn.Module):
-    """Stands in for a decoder layer that another stage of Transformers' pipeline holds: the hidden states pass
-    through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return layer_outputs(hidden_states, None, None)
-
-
-def fit_transformers_pipeline_stage(model) -> None:
-    """Completes Transformers' own pipeline parallelism (`DistributedConfig(pp_size=N)`) on a GPT-MoE.
-
-    Transformers' `apply_pipeline_parallelism` keeps this rank's slice of `model.model.layers` and puts an identity
-    that returns the hidden states alone in place of the others: its decoder layers return only their hidden states,
-    and each stage sends the last hidden states [B, L, H] to the next, which takes them as `inputs_embeds` (the last
-    stage's logits are broadcast to every rank). Our decoder layers also return their `Routing` and router losses
-    (`layer_outputs`: the model's router losses are computed from them inside the forward), so those identities
-    become `_LayerOfAnotherStage`. A stage after the first receives hidden states that already carry the learned
-    position embeddings and the embedding dropout, and drops its own, as `GPTMoEStage` does. The stages pass
-    activations without gradients, so training through them is refused with a message instead of silently updating
-    the last stage alone."""
-    base = model.model
-    for i, layer in enumerate(base.layers):
-        if isinstance(layer, PipelineIdentityLayer):
-            base.layers[i] = _LayerOfAnotherStage()
-    if not model._pp_stage.pp_is_first_stage:
-        base.dropout = nn.Identity()
-        if model.config.position_embedding_type == "learned":
-            base.embed_positions = _NoPositions()
-
-    pipeline_forward = model.forward  # Transformers' stage forward: receive, run this stage, send
-
-    @functools.wraps(pipeline_forward)
-    def inference_only(*args, **kwargs):
-        if model.training and torch.is_grad_enabled():  # checked on every rank before any stage communicates
-            raise RuntimeError(
-                "Transformers' pipeline parallelism (DistributedConfig(pp_size=...)) runs inference only: its stages "
-                "pass activations without gradients, so the earlier stages would never learn. Call model.eval() or "
-                "use torch.no_grad(); to train with pipeline stages use hf_ppmoe.parallel.Pipeline or "
-                "`python -m hf_ppmoe.training --pp_size N`."
-            )
-        return pipeline_forward(*args, **kwargs)
-
-    model.forward = inference_only
 
 
 class GPTMoEStage(_Stage):
@@ -189,7 +113,7 @@ class GPTMoEStage(_Stage):
             base.embed_tokens = None
             base.dropout = nn.Identity()  # applied to the embeddings only
             if config.position_embedding_type == "learned":
-                base.embed_positions = _NoPositions()
+                base.embed_positions = NoPositions()
         if not is_last:
             base.norm, model.lm_head = nn.Identity(), None
         model.init_parallel_plans()  # the plans now name only what this stage holds
@@ -461,9 +385,7 @@ class Pipeline:
             parts[1:] += torch.stack(self.module.router_losses).mean(0)
         dist.all_reduce(parts, group=self.group)
         self.losses = dict(zip(("lm", "aux", "z"), parts.unbind()))
-        config = self.module.model.config
-        aux_coef, z_coef = getattr(config, "router_aux_loss_coef", 0), getattr(config, "router_z_loss_coef", 0)
-        return parts[0] + aux_coef * parts[1] + z_coef * parts[2]
+        return parts[0] + router_loss(self.module.model.config, parts[1], parts[2])
 
     @torch.no_grad()
     def forward(self, input_ids, attention_mask=None):

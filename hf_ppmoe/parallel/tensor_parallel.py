@@ -1,44 +1,28 @@
 """`parallelize`: tensor parallelism + PPMoE expert parallelism on a built model, over any tensor-parallel group.
 
-It applies the model's own Transformers plan (`config.base_model_tp_plan`, `_tp_plan`), the same rules
-`from_pretrained(..., distributed_config=DistributedConfig(tp_size=N))` applies, but on a group you choose: a
-sub-mesh of a (pp, tp) mesh for TP x PP, a trimmed pipeline stage, or a model you built or changed yourself:
-
-    attention           q/k/v colwise, o rowwise (heads split; one all-reduce of [T, H] each way); cross-
-                        attention alike, plus one all-reduce of the encoder output's gradient [S, H]
-    relative bias       T5's table [buckets, heads] split on the same heads ("head_sharded_bias"): each rank
-                        looks up the bias of its own heads, no communication
-    dense FFN, shared   gate/up colwise, down rowwise
-    MoE layer           PPMoE: whole experts split over the group, replicated router (expert_parallel.py)
-    embeddings / head   vocabulary split (embedding_rowwise / colwise_gather_output)
-
-Norms, routers and learned position embeddings stay whole (replicated) on every rank. Qwen3's per-head q/k norms
-("replicated_grad_sum") sit between the colwise projections and the attention, so they see only this rank's heads:
-their weights are replicated and their gradients, partial on each rank, summed over the group in every backward pass
-(two all-reduces of [head_dim]).
-
-Transformers' colwise rule turns its input into a replicated DTensor itself, so q, k and v (or gate and up) each
-all-reduce their input gradient: three (two) all-reduces of [T, H] in backward where Megatron has one. The
-"replicated_input" rule on the attention module (and "ppmoe_ffn" on the FFN slot, expert_parallel.py) makes the
-module's input that DTensor once, so autograd sums the partial gradients first and one all-reduce remains.
+It applies the model's own Transformers plan (`config.base_model_tp_plan`), the rules `from_pretrained(...,
+distributed_config=DistributedConfig(tp_size=N))` applies, on a group you choose (a sub-mesh of a (pp, tp) mesh, a
+pipeline stage, a model you changed): attention heads split (q/k/v colwise, o rowwise; T5's relative bias on the same
+heads), dense FFNs and shared experts colwise / rowwise, MoE layers PPMoE (expert_parallel.py), vocabulary split
+embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum" and
+"head_sharded_bias" are registered here; docs/parallel.md says what each saves.
 """
 
 from __future__ import annotations
 
-import contextlib
-import re
-
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
-from transformers import DistributedConfig, PreTrainedModel
+from transformers import DistributedConfig
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
-from ..modeling.common import MoEPreTrainedModel
+from ..modeling.common import tied_head_kept
 from .comm import sum_grad_over
 from .data_parallel import ALL_TO_ALL
+from .modules import show_plan
 
 
 def _replicated(x, mesh):
@@ -126,10 +110,11 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
     """Split `model` (a GPT-MoE or Seq2Seq-MoE, built or loaded: any model whose config carries our plans) in place
     over the tensor-parallel group `tp` (a `ProcessGroup` or a 1-D `DeviceMesh`) and return it.
 
-    Every rank must pass a model with the same weights (same seed, or the same checkpoint): each keeps its own slice,
-    nothing is broadcast. Parameters that are split become DTensors (`p.full_tensor()` / `p.grad.full_tensor()`
-    gather them); the rest stay plain tensors with identical values and gradients on every rank. Gradients equal the
-    single-device model's. `save_pretrained` afterwards (on every rank) writes the whole model from rank 0.
+    The weights and buffers of the group's first rank are broadcast to the others first, so ranks that built the
+    model differently (another seed) hold one model. Parameters that are split become DTensors (`p.full_tensor()` /
+    `p.grad.full_tensor()` gather them); the rest stay plain tensors with identical values and gradients on every
+    rank. Gradients equal the single-device model's. `save_pretrained` afterwards (on every rank) writes the whole
+    model from rank 0. `print(model)` shows every module a plan style changed (modules.py).
 
     `ep`: experts on more ranks than `tp` (`expert_mesh(mesh, ep_size).ep`, k tensor-parallel groups that read
     different batches): every MoE layer's experts are split over it and reached through Transformers' all-to-all
@@ -151,9 +136,12 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
             tp_size=size, fsdp_size=ep_size // size, ep_size=ep_size, ep_implementation=ALL_TO_ALL
         )
     tp_plan, ep_plan, _ = model._resolve_parallel_plans(config)
+    if size > 1:
+        broadcast_from_first_rank(model, mesh)
     with tied_head_kept(model):
         if size > 1:
             apply_tensor_parallelism(model, mesh, tp_plan)
+            show_plan(model, tp_plan, mesh)
         if ep_size != size:
             apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
@@ -161,61 +149,10 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
     return model
 
 
-# Transformers' parallel hooks on our models' base class, installed from here (hf_ppmoe.modeling knows nothing of
-# parallelism; `import hf_ppmoe` imports this package).
-
-_LAYER_NUMBER = re.compile(r"\.\d+(?=\.|$)")  # "layers.3.mlp" -> "layers.*.mlp", as Transformers' plan keys
-
-
-@contextlib.contextmanager
-def tied_head_kept(model):
-    """Ties a head that shares the input embeddings' weight again after the block, which may replace the embedding's
-    parameter object (tensor-parallel splitting does)."""
-    head, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    tied = head is not None and embeddings is not None and head.weight is embeddings.weight
-    yield
-    if tied:
-        head.weight = embeddings.weight
-
-
-def _init_parallel_plans(self) -> None:
-    """Transformers' plan merging, keeping only the rules that name a module or parameter of this model: the configs
-    list the rules of every layout a family can build (gated or plain FFN, biases, shared expert)."""
-    PreTrainedModel.init_parallel_plans(self)
-    names = {_LAYER_NUMBER.sub(".*", n) for n, _ in [*self.named_modules(), *self.named_parameters()]}
-    self._tp_plan = {k: v for k, v in self._tp_plan.items() if k in names}
-    self._ep_plan = {k: v for k, v in self._ep_plan.items() if k in names}
-
-
-def _resolve_parallel_plans(self, distributed_config):
-    """Transformers' resolved plans without the rules of tied duplicates (`lm_head.weight` when tied to the input
-    embeddings, which Transformers cannot look up once tied): the shared weight is split once, by the embedding's
-    rule, which splits the vocabulary as the head's rule would; the head keeps its forward rule."""
-    names = {n for n, _ in [*self.named_modules(), *self.named_parameters()]}
-    plans = PreTrainedModel._resolve_parallel_plans(self, distributed_config)
-    return tuple({k: v for k, v in plan.items() if k in names} for plan in plans)
-
-
-def _maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-    """Transformers' `maybe_distribute_model`, keeping a tied head tied; with `pp_size > 1` the GPT-MoE stage is
-    completed (`fit_transformers_pipeline_stage`) and an encoder-decoder is refused (Transformers' stages cut the
-    `layers` of a decoder-only model)."""
-    pipeline = distributed_config is not None and distributed_config.pp_size > 1
-    if pipeline and model.config.is_encoder_decoder:
-        raise ValueError(
-            f"Transformers' pipeline parallelism (DistributedConfig(pp_size={distributed_config.pp_size})) cuts the "
-            f"decoder layers of a decoder-only model; {type(model).__name__} has an encoder and a decoder stack. Use "
-            "hf_ppmoe.parallel.Pipeline or `python -m hf_ppmoe.training --pp_size N`, which cut both stacks."
-        )
-    with tied_head_kept(model):
-        model = PreTrainedModel.maybe_distribute_model.__func__(cls, model, distributed_config, mesh_manager)
-    if pipeline:
-        from .pipeline import fit_transformers_pipeline_stage  # pipeline.py imports this module
-
-        fit_transformers_pipeline_stage(model)
-    return model
-
-
-MoEPreTrainedModel.init_parallel_plans = _init_parallel_plans
-MoEPreTrainedModel._resolve_parallel_plans = _resolve_parallel_plans
-MoEPreTrainedModel.maybe_distribute_model = classmethod(_maybe_distribute_model)
+@torch.no_grad()
+def broadcast_from_first_rank(model, mesh: DeviceMesh) -> None:
+    """Copy the group's first rank's parameters and buffers to the other ranks of `mesh` (what Megatron and DDP do
+    when they start), before any is split. Every rank must pass the same model class and config."""
+    group = mesh.get_group()
+    for tensor in {id(t): t for t in [*model.parameters(), *model.buffers()]}.values():
+        dist.broadcast(tensor.data, group=group, group_src=0)

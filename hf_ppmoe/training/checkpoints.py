@@ -6,7 +6,7 @@ Every checkpoint's `trainer_state.json` (written last, when the checkpoint is co
     run_id        the run it belongs to: a fresh run draws one, a resumed run keeps its checkpoint's
     arguments     the run's TrainArguments, as JSON
     model_config  the model's config (the fields that decide its computation)
-    data          sha256 of the packed training blocks (the data, its tokenization and block size)
+    data          the training data's fingerprint (for packed blocks: their sha256, i.e. data, tokenization, block size)
     num_processes the processes that wrote it (each has its own RNG state, and with --tp_size / --pp_size its shards)
     changes       settings changed on earlier resumes with --allow_resume_changes, and at which step
     files         the size of every file in the checkpoint
@@ -26,12 +26,9 @@ Resuming compares them with the new run before anything is loaded:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
 from pathlib import Path
-
-import torch
 
 CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
@@ -56,14 +53,15 @@ def new_run_id() -> str:
     return uuid.uuid4().hex
 
 
-def run_record(args, model_config, blocks: torch.Tensor, num_processes: int, run_id: str) -> dict:
-    """What every checkpoint of this run records about it (see the module docstring)."""
+def run_record(args, model_config, data_fingerprint: str, num_processes: int, run_id: str) -> dict:
+    """What every checkpoint of this run records about it (see the module docstring); `data_fingerprint` is the
+    training data's (`data.fingerprint`: what decides its batches)."""
     config = {k: v for k, v in model_config.to_dict().items() if k not in _CONFIG_LABELS}
     return {
         "run_id": run_id,
         "arguments": json.loads(args.to_json()),
         "model_config": json.loads(json.dumps(config, default=str)),
-        "data": hashlib.sha256(blocks.contiguous().numpy().tobytes()).hexdigest(),
+        "data": data_fingerprint,
         "num_processes": num_processes,
         "changes": [],
     }

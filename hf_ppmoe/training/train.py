@@ -1,39 +1,31 @@
-"""Causal-LM training of GPT-MoE (and of dense Transformers baselines) with Accelerate: `main(args)`.
+"""Training of GPT-MoE (and of dense Transformers baselines) with Accelerate, in named steps:
 
-Order of work (STYLE lesson 12): check arguments -> data and tokenizer -> build, load or upcycle the model ->
-apply parallelism -> `accelerator.prepare` -> train (evaluate, log, checkpoint) -> save, plot, push.
+    setup(args) -> Run              check arguments, data, tokenizer, model, parallelism, `accelerator.prepare`, resume
+    forward_backward_step(run, b)   one micro-batch: forward, backward; its (lm, aux, z) losses stay on the device
+    train_step(run, step)           one optimizer step: the micro-steps (or one pipeline step), clipping, optimizer
+    evaluate(run)                   LM loss and perplexity on the validation batches
+    train(args)                     the loop: train_step, then log / evaluate / checkpoint at their intervals; save
 
-Data order is a pure function of (seed, step): the global batch of step s is the s-th slice of per-epoch seeded
-permutations, cut into micro-batches and data-parallel shards. Together with Accelerate's saved optimizer,
-scheduler and RNG states, `--resume` therefore continues exactly where an uninterrupted run would be; what a
-checkpoint records about its run, and the checks that refuse a resume that would not continue it, are in
-`checkpoints.py`.
+The data is an object (see `blocks.py`) that hands each data-parallel process its batch for (step, micro-step); with
+Accelerate's saved optimizer, scheduler and RNG states, `--resume` continues exactly where an uninterrupted run would
+be (what a checkpoint records and the checks that refuse a resume that would not: `checkpoints.py`).
 
-`--tp_size`, `--pp_size`, `--fsdp_size` and `--ep_size` split the model over the processes with hf_ppmoe.parallel
-(`parallel_setup.py`: tensor parallelism with PPMoE expert parallelism, pipeline stages, FSDP2 / HSDP, experts over
-several tensor-parallel groups). Accelerate keeps the loop, gradient accumulation, the schedule, RNG states, logging;
-it cannot wrap or checkpoint a DTensor-sharded model (its DDP refuses DTensors, its TP support composes only with
-FSDP2, and `save_state` writes model and optimizer from the main process alone), so a split model's data-parallel
-processes (replicas, FSDP ranks) average their gradients through FSDP2 (HSDP with shard groups of one when nothing
-is sharded), the gradients are clipped by the whole model's norm (`parallel_setup.clip_grad_norm_`), and model and
-optimizer are checkpointed with torch.distributed.checkpoint, every process writing its own shards. The final model
-is gathered (every shard, every stage) and written whole by rank 0. Evaluation of a sharded model runs every
-forward on every data-parallel process (FSDP's all-gathers are collectives), counting only its own batches.
-
-`--pp_size P` (GPT-MoE) cuts the model into P stages (`hf_ppmoe.parallel.Pipeline`). A replica's batch for an
-optimizer step is the rows its micro-steps would have read, concatenated; one `Pipeline.step` runs them as the
-pipeline's microbatches (1F1B, or GPipe when there are fewer microbatches than stages). The norm sums the stages'
-(a parameter several stages hold counted once); evaluation runs the stages forward one after another
-(`Pipeline.forward`); router metrics come from every stage. Checkpoints hold each stage's model and optimizer under
-its own key.
+`--tp_size`, `--pp_size`, `--fsdp_size`, `--ep_size` split the model with hf_ppmoe.parallel (`parallel_setup.py`).
+Accelerate keeps the loop, accumulation, schedule, RNG states and logging; it cannot wrap or checkpoint a
+DTensor-sharded model, so a split model's gradients are averaged by FSDP2 (HSDP with shard groups of one when nothing
+is sharded), clipped by the whole model's norm, and model and optimizer are checkpointed with
+torch.distributed.checkpoint, every process writing its own shards. The final model is gathered and written by rank 0.
+With `--pp_size`, one `Pipeline.step` runs a replica's micro-batches as the pipeline's microbatches.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,16 +40,17 @@ from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..moe.losses import router_loss
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
 from .arguments import TrainArguments
+from .blocks import PackedBlocks
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
 from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
 from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
-
 
 def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
     if args.train_file:
@@ -127,130 +120,117 @@ def build_model(args: TrainArguments, tokenizer):
     return model
 
 
-def batch_indices(step: int, micro: int, process: int, args: TrainArguments, world: int, n_blocks: int) -> torch.Tensor:
-    """Rows of the training blocks for (optimizer step, micro-step, data-parallel process)."""
-    b = args.per_device_train_batch_size
-    start = (step * args.gradient_accumulation_steps + micro) * world * b + process * b
-    positions = torch.arange(start, start + b)
-    epochs, offsets = positions // n_blocks, positions % n_blocks
-    rows = torch.empty(b, dtype=torch.long)
-    for epoch in range(start // n_blocks, (start + b - 1) // n_blocks + 1):  # the epochs these b positions span
-        perm = torch.randperm(n_blocks, generator=torch.Generator().manual_seed(args.seed * 100_003 + epoch))
-        rows[epochs == epoch] = perm[offsets[epochs == epoch]]
-    return rows
+def prepare_data(args: TrainArguments, tokenizer, texts: list[str], validation: list[str] | None, dp: DataParallel):
+    """The batches of this data-parallel process (`blocks.PackedBlocks`); 5% of the blocks held out for validation
+    when no validation file is given."""
+    blocks = pack(texts, tokenizer, args.block_size)
+    if validation is not None:
+        val_blocks = pack(validation, tokenizer, args.block_size)
+    else:
+        n_val = max(1, len(blocks) // 20)
+        blocks, val_blocks = blocks[:-n_val], blocks[-n_val:]
+    if len(blocks) == 0:
+        raise ValueError(f"Not enough training text for one block of {args.block_size} tokens after holding out validation.")
+    return PackedBlocks(blocks, val_blocks, args, dp.rank, dp.size)
 
 
-SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
+def accelerate_fsdp_request(args: TrainArguments, world_size: int) -> str | None:
+    """Map Accelerate's FSDP request (`accelerate launch --use_fsdp`, ACCELERATE_USE_FSDP=true) onto our sharding
+    (`--fsdp_size`), or refuse what cannot be mapped; returns the line that says what was done. The variable is then
+    cleared: Accelerate's own FSDP wrapper never sees our model (parallel_setup shards it with FSDP2)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    os.environ.pop("ACCELERATE_USE_FSDP")
+    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    strategy = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD"}.get(strategy, strategy)
+    split = args.tp_size * args.pp_size
+    if args.fsdp_size > 1:
+        return f"Accelerate's FSDP request ({strategy}) is served by --fsdp_size {args.fsdp_size} (FSDP2)."
+    if strategy == "NO_SHARD":
+        return "Accelerate's FSDP request with NO_SHARD: plain data parallelism (nothing is sharded)."
+    if strategy == "FULL_SHARD":
+        size = world_size // split
+    elif strategy == "HYBRID_SHARD":
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // split
+    else:
+        raise ValueError(
+            f"Accelerate's FSDP sharding strategy {strategy} is not supported by python -m hf_ppmoe.training, which "
+            "shards with FSDP2 (parameters resharded after forward). Use FULL_SHARD or HYBRID_SHARD, or pass "
+            "--fsdp_size N yourself (N processes shard the model; the others hold replicas of it)."
+        )
+    args.fsdp_size = max(size, 1)
+    return (f"Accelerate's FSDP request ({strategy}) mapped onto --fsdp_size {args.fsdp_size}: parameters, gradients "
+            "and AdamW state sharded with FSDP2 over that many processes.")
 
 
-def sharded_state(model, optimizer, stage: int | None = None) -> dict:
-    """Model and optimizer state for torch.distributed.checkpoint; a pipeline stage's under its own key (the stages
-    number their layers from 0 alike; the replicas of a stage write it once)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    return state if stage is None else {f"stage_{stage}": state}
+@dataclass
+class Run:
+    """What `setup` builds and the steps use."""
+
+    args: TrainArguments
+    accelerator: Accelerator
+    dp: DataParallel
+    model: torch.nn.Module  # what trains: the prepared model, a split model, or the pipeline stage
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    data: object  # see blocks.py
+    tokenizer: object
+    monitor: RouterMonitor
+    jsonl: JSONLinesTracker
+    record: dict  # what every checkpoint records about the run (checkpoints.py)
+    pipe: object = None  # hf_ppmoe.parallel.Pipeline with --pp_size
+    no_target: torch.Tensor | None = None  # micro-batches without a target token since the last log (on the device)
+
+    def __post_init__(self):
+        self.no_target = torch.zeros((), dtype=torch.long, device=self.device)
+    sharded: tuple | None = None  # (model, optimizer, stage) that Accelerate does not hold
+    start_step: int = 0
+    changes: dict = field(default_factory=dict)
+
+    @property
+    def config(self):
+        return self.pipe.module.model.config if self.pipe else self.accelerator.unwrap_model(self.model).config
+
+    @property
+    def device(self) -> torch.device:
+        return self.accelerator.device
 
 
-def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, sharded=None) -> None:
-    """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
-    (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step), with
-    the run's `record` (hf_ppmoe.training.checkpoints). sharded: (model, optimizer, pipeline stage or None) that
-    Accelerate does not hold (tensor / pipeline parallel), saved by every process."""
-    final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
-    with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
-        (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
-        accelerator.save_state(str(staging))
-        if sharded is not None:
-            dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            write_state(staging, step, record)
-    accelerator.wait_for_everyone()
-
-
-def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
-    state = sharded_state(model, optimizer, stage)
-    load_distributed_checkpoint(state, path)
-    state = state if stage is None else state[f"stage_{stage}"]
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-@torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, args: TrainArguments, accelerator: Accelerator, dp: DataParallel, pipe=None):
-    """Token-weighted LM cross-entropy (no router losses) over the validation blocks, split across replicas (with
-    `pipe`, `model` is its stage: the stages run forward one after another, the last one computes the loss)."""
-    model.eval()
-    # forward through the model itself, not its DDP wrapper: a replica may have fewer evaluation batches than another
-    # (or none), and DDP's forward runs a collective (the buffer broadcast) that the others would never join
-    forward = model if pipe is not None else accelerator.unwrap_model(model)
-    b = args.per_device_train_batch_size
-    batches = list(range(0, len(blocks), b))
-    if args.eval_batches:
-        batches = batches[: args.eval_batches]
-    mine = batches[dp.rank :: dp.size]
-    # a sharded model's forward is a collective of all data-parallel processes: one with fewer batches runs the
-    # others' extra forwards on its first batch (or the first one) and does not count them
-    rounds = -(-len(batches) // dp.size) if dp.sharded else len(mine)
-    total = torch.zeros(2, device=accelerator.device)
-    for r in range(rounds):
-        i = mine[r] if r < len(mine) else batches[0]
-        batch = blocks[i : i + b].to(accelerator.device)
-        with accelerator.autocast():
-            logits = forward(batch).logits if pipe is None else pipe.forward(batch)
-        if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
-            continue
-        logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
-        total[0] += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-        total[1] += batch[:, 1:].numel()
-    if pipe is not None:
-        dist.all_reduce(total, group=pipe.group)
-    total = dp.reduce(total)
-    model.train()
-    loss = (total[0] / total[1].clamp(min=1)).item()
-    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
-
-
-def main(args: TrainArguments) -> dict:
-    """Train; returns a summary (final step, eval loss, output folder). See `python -m hf_ppmoe.training --help`."""
+def setup(args: TrainArguments) -> Run:
+    """Everything before the first step, in the order of STYLE lesson 12: arguments, data and tokenizer, model,
+    parallelism, `accelerator.prepare`, resume."""
     args.validate()
     checkpoint = find_checkpoint(args)
     saved = read_checkpoint(checkpoint) if checkpoint else None  # its files checked before anything is built
     resume_step = saved["step"] if saved else None
+    fsdp_note = accelerate_fsdp_request(args, int(os.environ.get("WORLD_SIZE", 1)))
     output_dir = Path(args.output_dir)
     jsonl = JSONLinesTracker("hf-ppmoe", str(output_dir / "logs"), resume_step)  # writes nothing before training
-    trackers = [jsonl] + [name for name in args.report_to if name != "jsonl"]
     accelerator = Accelerator(
         # without an accelerator, say so: Accelerate only recognises several CPU processes (torchrun) as data
         # parallel when told it runs on the CPU
         cpu=not torch.accelerator.is_available(),
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        # max_steps counts optimizer steps of the global batch: the schedule advances once per step, whatever the
-        # number of processes (by default Accelerate would step it once per process)
+        # max_steps counts optimizer steps of the global batch: the schedule advances once per step
         step_scheduler_with_optimizer=False,
-        log_with=trackers,
+        log_with=[jsonl] + [name for name in args.report_to if name != "jsonl"],
         project_dir=str(output_dir),
     )
+    if fsdp_note:
+        accelerator.print(fsdp_note)
     set_seed(args.seed)
 
     train_texts, val_texts = load_texts(args)
     tokenizer = load_tokenizer(args, train_texts)
-    blocks = pack(train_texts, tokenizer, args.block_size)
-    if val_texts is not None:
-        val_blocks = pack(val_texts, tokenizer, args.block_size)
-    else:
-        n_val = max(1, len(blocks) // 20)
-        blocks, val_blocks = blocks[:-n_val], blocks[-n_val:]
-    if len(blocks) == 0:
-        raise ValueError(f"Not enough training text for one block of {args.block_size} tokens after holding out validation.")
-
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
+    data = prepare_data(args, tokenizer, train_texts, val_texts, dp)
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
-    run_id = (saved or {}).get("run_id") or new_run_id()
-    record = run_record(args, model.config, blocks, accelerator.num_processes, run_id)
+    record = run_record(args, model.config, data.fingerprint, accelerator.num_processes,
+                        (saved or {}).get("run_id") or new_run_id())
     changes = check_resume(saved, record, args.allow_resume_changes) if saved else {}
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
@@ -262,9 +242,7 @@ def main(args: TrainArguments) -> dict:
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "norm" not in n)]
     optimizer = torch.optim.AdamW(
         [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
+        lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
     )
     scheduler = get_scheduler(args.lr_scheduler_type, optimizer, args.warmup_steps, args.max_steps)
     sharded = None
@@ -272,62 +250,137 @@ def main(args: TrainArguments) -> dict:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
-    start_step = 0
+    run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, pipe,
+              sharded, changes=changes)
     if checkpoint is not None:
-        accelerator.load_state(str(checkpoint))
-        if sharded is not None:
-            load_sharded(checkpoint / SHARDED, *sharded)
-        start_step = resume_step
-        accelerator.print(f"resumed from {checkpoint} at step {start_step}")
-    # training starts: from here on the output folder's logs are this run's
-    accelerator.init_trackers("hf-ppmoe", config={**json.loads(args.to_json()), "run_id": record["run_id"]})
-    if changes:
-        accelerator.print(f"warning: resumed with changed settings (--allow_resume_changes): {changes}")
-        if accelerator.is_main_process:
-            jsonl.log({"resumed_with_changes": changes}, step=start_step)
+        load_checkpoint(run, checkpoint)
+        run.start_step = resume_step
+        accelerator.print(f"resumed from {checkpoint} at step {resume_step}")
+    return run
 
-    config = pipe.module.model.config if pipe else accelerator.unwrap_model(model).config
-    tokens_per_step = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size
-    bar = tqdm(range(start_step, args.max_steps), initial=start_step, total=args.max_steps,
+
+def forward_backward_step(run: Run, batch: dict) -> torch.Tensor:
+    """One micro-batch: forward and backward. Returns its detached (lm, aux, z) losses, on the device.
+
+    A micro-batch whose labels hold no target (all -100: a seq2seq pair with an empty target, one-token sequences)
+    has LM loss 0, router losses weighted 0 and zero gradients (the model's loss, see `router_loss_weight`): it adds
+    nothing, and is counted in the `train/no_target_batches` metric."""
+    batch = {name: tensor.to(run.device) for name, tensor in batch.items()}
+    targets = batch["labels"] if run.config.is_encoder_decoder else batch["labels"][:, 1:]
+    run.no_target += ~(targets != -100).any()
+    with run.accelerator.autocast():
+        out = run.model(**batch)
+    run.accelerator.backward(out.loss)
+    aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
+    aux = aux.detach() if aux is not None else torch.zeros((), device=run.device)
+    z = z.detach() if z is not None else torch.zeros((), device=run.device)
+    lm = out.loss.detach() - router_loss(run.config, aux, z)
+    return torch.stack([lm, aux, z])
+
+
+def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step (`step` counts from 0). Returns the step's (lm, aux, z) losses averaged over micro-steps and
+    data-parallel processes, and the gradient norm before clipping; both stay on the device."""
+    args, accumulation = run.args, run.args.gradient_accumulation_steps
+    if run.pipe is not None:  # the micro-steps' rows in one batch, the pipeline's microbatches
+        batch = torch.cat([run.data.batch(step, m)["input_ids"] for m in range(accumulation)]).to(run.device)
+        with run.accelerator.autocast():
+            run.pipe.step(batch, batch)
+        grad_norm = clip_grad_norm_(run.model, args.max_grad_norm, run.dp, run.pipe)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        sums = torch.stack([run.pipe.losses[name] for name in ("lm", "aux", "z")])
+    else:
+        sums, grad_norm = torch.zeros(3, device=run.device), None
+        for micro in range(accumulation):
+            with run.accelerator.accumulate(run.model):
+                set_gradient_sync(run.model, run.accelerator.sync_gradients)  # FSDP: reduce on the last micro-step
+                sums += forward_backward_step(run, run.data.batch(step, micro)) / accumulation
+                if run.accelerator.sync_gradients:
+                    grad_norm = clip_grad_norm_(run.model, args.max_grad_norm, run.dp)
+                    run.optimizer.step()
+                    run.optimizer.zero_grad(set_to_none=True)
+    run.scheduler.step()
+    return run.dp.reduce(sums, reduction="mean"), grad_norm  # the same on every rank: all stop together
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    """Token-weighted LM cross-entropy (no router losses) over the validation batches, split across data-parallel
+    processes (with a pipeline, the stages run forward one after another; the last computes the loss)."""
+    model, dp, pipe = run.model, run.dp, run.pipe
+    model.eval()
+    # forward through the model itself, not its DDP wrapper: a process may have fewer evaluation batches than another
+    # (or none), and DDP's forward runs a collective (the buffer broadcast) that the others would never join
+    forward = model if pipe is not None else run.accelerator.unwrap_model(model)
+    mine = run.data.validation_batches()
+    rounds = len(mine)
+    if dp.sharded:  # every forward is a collective of all data-parallel processes: all run the same number of them
+        total_batches = int(dp.reduce(torch.tensor([len(mine)], device=run.device)).item())
+        rounds = -(-total_batches // dp.size)
+    total = torch.zeros(2, device=run.device)
+    for r in range(rounds):
+        batch = mine[r] if r < len(mine) else (mine or [run.data.batch(0, 0)])[0]  # extra forwards are not counted
+        input_ids, labels = batch["input_ids"].to(run.device), batch["labels"].to(run.device)
+        with run.accelerator.autocast():
+            logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
+        if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
+            continue
+        logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
+        logits, labels = logits[:, :-1], labels[:, 1:]
+        total[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
+        total[1] += (labels != -100).sum()
+    if pipe is not None:
+        dist.all_reduce(total, group=pipe.group)
+    total = dp.reduce(total)
+    model.train()
+    loss = (total[0] / total[1].clamp(min=1)).item()
+    return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def log_metrics(run: Run, done: int, interval: torch.Tensor, steps: int, grad_norm, seconds: float) -> dict:
+    """The logging interval's means (one read from the device), router metrics, learning rate and tokens/s."""
+    dp, pipe = run.dp, run.pipe
+    router = run.monitor.collect(lambda t: dp.reduce(t.to(run.device)))  # over the logging interval
+    if pipe is not None:  # every stage has its own layers' metrics
+        stages = [None] * pipe.size
+        dist.all_gather_object(stages, router, group=pipe.group)
+        router = {name: value for stage in stages for name, value in stage.items()}
+    lm, aux, z = (interval / steps).tolist()
+    no_target = int(dp.reduce(run.no_target))
+    run.no_target.zero_()
+    args = run.args
+    tokens = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size * steps
+    metrics = {
+        "train/lm_loss": lm, "train/aux_loss": aux, "train/z_loss": z, "train/grad_norm": grad_norm.item(),
+        "train/lr": run.scheduler.get_last_lr()[0], "train/tokens_per_second": tokens / seconds,
+        "train/no_target_batches": no_target, **router,
+    }
+    run.accelerator.log(metrics, step=done)
+    return metrics
+
+
+def train(args: TrainArguments) -> dict:
+    """Train; returns a summary (final step, eval loss, output folder). See `python -m hf_ppmoe.training --help`."""
+    run = setup(args)
+    accelerator = run.accelerator
+    # training starts: from here on the output folder's logs are this run's
+    accelerator.init_trackers("hf-ppmoe", config={**json.loads(args.to_json()), "run_id": run.record["run_id"]})
+    if run.changes:
+        accelerator.print(f"warning: resumed with changed settings (--allow_resume_changes): {run.changes}")
+        if accelerator.is_main_process:
+            run.jsonl.log({"resumed_with_changes": run.changes}, step=run.start_step)
+    bar = tqdm(range(run.start_step, args.max_steps), initial=run.start_step, total=args.max_steps,
                disable=not accelerator.is_local_main_process, desc="training", dynamic_ncols=True)
     clock, eval_metrics = time.perf_counter(), {}
     # The loop reads from the device only where it must (logging, evaluation, checkpoints, the last step): the steps
-    # between make no host sync, so a GPU runs ahead of Python. Meanwhile the losses add up on the device, and so does
-    # the first step whose loss is not finite.
-    interval, interval_start = torch.zeros(3, device=accelerator.device), start_step
-    first_nonfinite = torch.zeros((), dtype=torch.long, device=accelerator.device)  # 0: none yet
+    # between make no host sync, so a GPU runs ahead of Python. The losses add up on the device, and so does the first
+    # step whose loss is not finite.
+    interval, interval_start = torch.zeros(3, device=run.device), run.start_step
+    first_nonfinite = torch.zeros((), dtype=torch.long, device=run.device)  # 0: none yet
     for step in bar:
-        if pipe is not None:  # the micro-steps' rows in one batch, the pipeline's microbatches
-            rows = [batch_indices(step, m, dp.rank, args, dp.size, len(blocks)) for m in range(args.gradient_accumulation_steps)]
-            batch = blocks[torch.cat(rows)].to(accelerator.device)
-            with accelerator.autocast():
-                pipe.step(batch, batch)
-            grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp, pipe)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sums = torch.stack([pipe.losses[name] for name in ("lm", "aux", "z")])
-        else:
-            sums = torch.zeros(3, device=accelerator.device)  # lm, aux, z (means over micro-steps)
-            grad_norm = None
-            for micro in range(args.gradient_accumulation_steps):
-                batch = blocks[batch_indices(step, micro, dp.rank, args, dp.size, len(blocks))].to(accelerator.device)
-                with accelerator.accumulate(model):
-                    set_gradient_sync(model, accelerator.sync_gradients)  # FSDP: reduce on the last micro-step only
-                    with accelerator.autocast():
-                        out = model(batch, labels=batch)
-                    accelerator.backward(out.loss)
-                    if accelerator.sync_gradients:
-                        grad_norm = clip_grad_norm_(model, args.max_grad_norm, dp)
-                        optimizer.step()
-                        optimizer.zero_grad(set_to_none=True)
-                aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
-                aux = aux.detach() if aux is not None else torch.zeros((), device=accelerator.device)
-                z = z.detach() if z is not None else torch.zeros((), device=accelerator.device)
-                lm = out.loss.detach() - getattr(config, "router_aux_loss_coef", 0) * aux - getattr(config, "router_z_loss_coef", 0) * z
-                sums += torch.stack([lm, aux, z]) / args.gradient_accumulation_steps
-        scheduler.step()
+        sums, grad_norm = train_step(run, step)
         done = step + 1
-        sums = dp.reduce(sums, reduction="mean")  # the same on every rank: all stop together, nothing is saved
         first_nonfinite = torch.where((first_nonfinite == 0) & ~torch.isfinite(sums).all(), done, first_nonfinite)
         interval += sums
         log_now = done % args.logging_steps == 0 or done == args.max_steps
@@ -343,54 +396,102 @@ def main(args: TrainArguments) -> dict:
                 "intact. Lower --learning_rate, keep --max_grad_norm on, or try --mixed_precision bf16 instead of fp16."
             )
         if log_now:
-            router = monitor.collect(lambda t: dp.reduce(t.to(accelerator.device)))  # over the logging interval
-            if pipe is not None:  # every stage has its own layers' metrics
-                stages = [None] * pipe.size
-                dist.all_gather_object(stages, router, group=pipe.group)
-                router = {name: value for stage in stages for name, value in stage.items()}
-            steps = done - interval_start
-            lm, aux, z = (interval / steps).tolist()  # means over the interval's steps
-            elapsed = time.perf_counter() - clock  # after the read above: the device has finished these steps
-            metrics = {
-                "train/lm_loss": lm, "train/aux_loss": aux, "train/z_loss": z, "train/grad_norm": grad_norm.item(),
-                "train/lr": scheduler.get_last_lr()[0], "train/tokens_per_second": tokens_per_step * steps / elapsed,
-                **router,
-            }
-            accelerator.log(metrics, step=done)
-            bar.set_postfix(loss=f"{lm:.3f}", aux=f"{aux:.3f}", tok_s=f"{tokens_per_step * steps / elapsed:,.0f}")
+            metrics = log_metrics(run, done, interval, done - interval_start, grad_norm, time.perf_counter() - clock)
+            bar.set_postfix(loss=f"{metrics['train/lm_loss']:.3f}", aux=f"{metrics['train/aux_loss']:.3f}",
+                            tok_s=f"{metrics['train/tokens_per_second']:,.0f}")
             interval.zero_()
             interval_start, clock = done, time.perf_counter()
         paused = time.perf_counter()  # evaluation and checkpoints do not count in the next interval's tokens/s
         if eval_now:
-            eval_metrics = evaluate(model, val_blocks, args, accelerator, dp, pipe)
+            eval_metrics = evaluate(run)
             accelerator.log(eval_metrics, step=done)
         if save_now:
-            save_checkpoint(accelerator, args, done, record, sharded)
+            save_checkpoint(accelerator, args, done, run.record, run.sharded, run.data)
         clock += time.perf_counter() - paused
+    finish(run)
+    if eval_metrics:
+        accelerator.print(
+            f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
+            f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out data, router losses excluded)"
+        )
+    output_dir = Path(args.output_dir)
+    accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
+    return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
+
+def finish(run: Run) -> None:
+    """The final model (gathered whole from a split one) and tokenizer in output_dir, plots, and the Hub push."""
+    accelerator, args, output_dir = run.accelerator, run.args, Path(run.args.output_dir)
     accelerator.wait_for_everyone()
-    monitor.remove()
-    if dp.mesh is not None:  # the whole model, on rank 0
-        unwrapped = gather_model(model, dp, pipe)
+    run.monitor.remove()
+    if run.dp.mesh is not None:  # the whole model, on rank 0
+        unwrapped = gather_model(run.model, run.dp, run.pipe)
         if accelerator.is_main_process:
             unwrapped.save_pretrained(output_dir)
     else:
-        unwrapped = accelerator.unwrap_model(model)
+        unwrapped = accelerator.unwrap_model(run.model)
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
-        tokenizer.save_pretrained(output_dir)
+        run.tokenizer.save_pretrained(output_dir)
         if args.plots:
             plot_training(output_dir / "logs" / "metrics.jsonl", output_dir / "plots")
     accelerator.end_training()
     if args.push_to_hub and accelerator.is_main_process:
-        push(unwrapped, tokenizer, args)
-    if eval_metrics:
-        accelerator.print(
-            f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
-            f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out blocks, router losses excluded)"
-        )
-    accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
-    return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
+        push(unwrapped, run.tokenizer, args)
+
+
+main = train  # the package's entry point name
+
+
+SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
+DATA_STATE = "data_state_"  # + process index + ".pt": the data position of each process (streamed data)
+
+
+def sharded_state(model, optimizer, stage: int | None = None) -> dict:
+    """Model and optimizer state for torch.distributed.checkpoint; a pipeline stage's under its own key (the stages
+    number their layers from 0 alike; the replicas of a stage write it once)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    return state if stage is None else {f"stage_{stage}": state}
+
+
+def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, sharded=None, data=None) -> None:
+    """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
+    (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step), with
+    the run's `record` (hf_ppmoe.training.checkpoints). sharded: (model, optimizer, pipeline stage or None) that
+    Accelerate does not hold (tensor / pipeline parallel), saved by every process. data: the training data, whose
+    position (`data.state_dict()`, when it has one) every process saves as data_state_<process>.pt."""
+    final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
+    with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
+        (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
+        accelerator.save_state(str(staging))
+        if sharded is not None:
+            dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
+        if data is not None and (position := data.state_dict()):
+            torch.save(position, staging / f"{DATA_STATE}{accelerator.process_index}.pt")
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            write_state(staging, step, record)
+    accelerator.wait_for_everyone()
+
+
+def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
+    state = sharded_state(model, optimizer, stage)
+    load_distributed_checkpoint(state, path)
+    state = state if stage is None else state[f"stage_{stage}"]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+
+
+def load_checkpoint(run: Run, checkpoint: Path) -> None:
+    """Accelerate's state, a split model's shards and the data position from `checkpoint`."""
+    run.accelerator.load_state(str(checkpoint))
+    if run.sharded is not None:
+        load_sharded(checkpoint / SHARDED, *run.sharded)
+    position = checkpoint / f"{DATA_STATE}{run.accelerator.process_index}.pt"
+    if position.is_file():
+        run.data.load_state_dict(torch.load(position, weights_only=True))
 
 
 def push(model, tokenizer, args: TrainArguments) -> None:

@@ -149,7 +149,7 @@ def test_router_outputs_of_both_stacks_and_the_loss_average_over_all_moe_layers(
     layer = model.model.encoder.layers[1]
     h = out.encoder_hidden_states[1]
     bias = model.model.encoder.position_bias(7, 7, 0, h.device)
-    h = layer._self_attention(h, None, bias)[0]
+    h = layer.attention_block(h, layer.input_layernorm, layer.self_attn, attention_mask=None, position_bias=bias)
     routing = layer.mlp.gate(layer.post_attention_layernorm(h).reshape(-1, 32))
     torch.testing.assert_close(out.encoder_router_logits[0], routing.router_logits, atol=1e-5, rtol=1e-4)
 

@@ -10,7 +10,7 @@ from test_experts import GATE_SETTINGS, MLP_STYLES, run
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.moe import MoELayer
-from hf_ppmoe.moe import experts as experts_module
+from hf_ppmoe.moe import kernels as kernels_module
 
 
 def operators(layer, x):
@@ -28,15 +28,32 @@ def test_operators_per_layer_do_not_grow_with_the_number_of_experts(gate):
     assert max(counts.values()) <= 1.1 * min(counts.values()), counts
 
 
-def poisoned_grouped_mm(real):
-    """torch's grouped_mm with the rows it does not compute (past the last offset) set to NaN, as uninitialised memory
-    may hold, so that a leak of those rows into outputs or gradients cannot go unseen."""
-
-    def grouped_mm(x, w, offs):
-        y = real(x, w, offs=offs)
+def poison(y, offs):
+    """What torch's grouped_mm leaves undefined set to NaN, as uninitialised memory (or a faulty kernel) may hold it:
+    rows past the last offset ([N, out] results) and the blocks of experts without rows ([E, in, out] results)."""
+    if y.dim() == 2:
         return torch.where(torch.arange(len(y)).unsqueeze(-1) < offs[-1], y, float("nan"))
+    counts = torch.diff(offs, prepend=offs.new_zeros(1))
+    return torch.where((counts > 0).view(-1, 1, 1), y, float("nan"))
 
-    return grouped_mm
+
+def poisoned_grouped_mm(real):
+    """torch's grouped_mm, forward and backward, with its undefined rows and blocks poisoned (see `poison`), so that
+    a leak of them into outputs or gradients cannot go unseen."""
+
+    class Poisoned(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w, offs):
+            ctx.save_for_backward(x, w, offs)
+            return poison(real(x, w, offs=offs), offs)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, w, offs = ctx.saved_tensors
+            grad_x = poison(real(grad, w.transpose(-2, -1), offs=offs), offs)
+            return grad_x, poison(real(x.t(), grad, offs=offs), offs), None
+
+    return lambda x, w, offs: Poisoned.apply(x, w, offs)
 
 
 @pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
@@ -45,10 +62,11 @@ def test_kernel_and_fallback_agree_and_undefined_rows_never_leak(gate, mlp, monk
     layer = MoELayer(tiny_gpt_config(num_experts=4, **gate, **mlp)).train()
     x = torch.randn(3, 8, 32)
     x[0, :3] = 0  # some routes dropped or sentinel-heavy batches happen either way with capacity
-    monkeypatch.setattr(experts_module.F, "grouped_mm", poisoned_grouped_mm(torch.nn.functional.grouped_mm))
-    assert experts_module.grouped_kernel_available(x.view(-1, 32), layer.experts.in_proj.transpose(-2, -1))
+    monkeypatch.setattr(kernels_module.F, "grouped_mm", poisoned_grouped_mm(torch.nn.functional.grouped_mm))
+    assert kernels_module.grouped_kernel_available(x.view(-1, 32), layer.experts.in_proj.transpose(-2, -1))
     y, gx, grads, routing = run(layer, x)
-    monkeypatch.setattr(experts_module, "grouped_kernel_available", lambda x, w: False)
+    no_kernel = tuple(row for row in kernels_module.CAPABILITIES if row.implementation != "index_kernel")
+    monkeypatch.setattr(kernels_module, "CAPABILITIES", no_kernel)
     y_ref, gx_ref, g_ref, _ = run(layer, x)
     assert torch.isfinite(y).all() and torch.isfinite(gx).all()
     torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
@@ -60,7 +78,7 @@ def test_kernel_and_fallback_agree_and_undefined_rows_never_leak(gate, mlp, monk
 
 def test_capability_check():
     w = lambda E, i, o, dtype: torch.zeros(E, o, i, dtype=dtype).transpose(-2, -1)  # stored output-first
-    ok = experts_module.grouped_kernel_available
+    ok = kernels_module.grouped_kernel_available
     assert ok(torch.zeros(5, 32), w(4, 32, 48, torch.float32))
     assert ok(torch.zeros(5, 32, dtype=torch.bfloat16), w(4, 32, 48, torch.bfloat16))
     assert not ok(torch.zeros(5, 32, dtype=torch.float64), w(4, 32, 48, torch.float64))  # dtype the kernel lacks

@@ -1,37 +1,59 @@
-"""Sharded data parallelism (FSDP2 / HSDP) with TP, PP and wide expert parallelism: memory per rank (4 processes).
-Their equality with one process is tested through the training entry point (tests/training)."""
+"""Sharded data parallelism (FSDP2 / HSDP) with TP, PP and wide expert parallelism: memory per rank (4 processes;
+every test body runs on all ranks, tests/distributed.py). Their equality with one process is tested through the
+training entry point (tests/training)."""
+
+import functools
+import sys
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+pytestmark = pytest.mark.distributed(4)
+
+CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_experts=4, num_experts_per_tok=2, moe_layer_frequency=2)
+LAYOUTS = {"whole": {}, "fsdp4": dict(fsdp=4), "replicas2_fsdp2": dict(fsdp=2), "fsdp2_tp2": dict(fsdp=2, tp=2),
+           "fsdp2_pp2": dict(fsdp=2, pp=2), "fsdp4_ep4": dict(fsdp=4, ep=4), "tp2_pp2": dict(tp=2, pp=2)}
 # (layout, fsdp x tp x pp): every layout shards all of what a replica holds over that many processes
 SHARDED = [("fsdp4", 4), ("replicas2_fsdp2", 2), ("fsdp2_tp2", 4), ("fsdp2_pp2", 4), ("fsdp4_ep4", 4)]
 
 
-def totals(ranks, layout):
-    return [sum(rank[layout].values()) for rank in ranks]
+@functools.cache  # the processes run every test of the launch: each layout is measured once
+def per_rank(layout: str) -> list[dict]:
+    """Every rank's bytes of parameters, gradients and AdamW state after one training step in `layout`
+    (benchmarks/memory.py's measurement, on a small model); "whole" is the unsplit model."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from benchmarks.memory import measure
+
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, measure(LAYOUTS[layout], CONFIG))
+    return ranks
+
+
+def totals(layout):
+    return [sum(rank.values()) for rank in per_rank(layout)]
 
 
 @pytest.mark.parametrize("layout, split", SHARDED)
-def test_state_per_rank_scales_as_one_over_fsdp_tp_pp(four_ranks, layout, split):
+def test_state_per_rank_scales_as_one_over_fsdp_tp_pp(layout, split):
     """Parameters + gradients + AdamW state of the largest rank: the whole model's / (fsdp x tp x pp), up to what is
     not sharded that way (tensor parallelism keeps norms and routers whole, FSDP pads dim 0): at most 1% above."""
-    ranks = four_ranks("sharded_memory")
-    whole = totals(ranks, "whole")[0]
-    assert max(totals(ranks, layout)) == pytest.approx(whole / split, rel=0.01)
+    whole = totals("whole")[0]
+    assert max(totals(layout)) == pytest.approx(whole / split, rel=0.01)
 
 
-def test_fsdp_partitions_every_tensor(four_ranks):
+def test_fsdp_partitions_every_tensor():
     """--fsdp_size 4: the 4 ranks' shards of parameters, gradients and AdamW moments add up to the whole model's, byte
     for byte (each tensor is split, none is held twice)."""
-    ranks = four_ranks("sharded_memory")
+    ranks, whole = per_rank("fsdp4"), per_rank("whole")[0]
     for kind in ("params", "grads", "optimizer"):
-        assert sum(rank["fsdp4"][kind] for rank in ranks) == ranks[0]["whole"][kind], kind
+        assert sum(rank[kind] for rank in ranks) == whole[kind], kind
 
 
-def test_tensor_and_pipeline_parallel_without_fsdp_replicate_the_rest(four_ranks):
+def test_tensor_and_pipeline_parallel_without_fsdp_replicate_the_rest():
     """tp 2 x pp 2 without FSDP: the same 1/4 for the split weights, but the gradient of the vocabulary-split
     embedding comes back whole (Replicate) from Transformers' embedding rule, so the first stage holds more: FSDP's
     reduce-scatter removes that (fsdp2_tp2 above)."""
-    ranks = four_ranks("sharded_memory")
-    whole = totals(ranks, "whole")[0]
-    assert whole / 4 * 1.02 < max(totals(ranks, "tp2_pp2")) < whole / 4 * 1.1
+    whole = totals("whole")[0]
+    assert whole / 4 * 1.02 < max(totals("tp2_pp2")) < whole / 4 * 1.1

@@ -13,7 +13,7 @@ from accelerate.utils import MegatronLMPlugin
 from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.parallel.megatron import (
+from hf_ppmoe.parallel.megatron_plugin import (
     megatron_batch,
     megatron_incompatibilities,
     megatron_lm_args,

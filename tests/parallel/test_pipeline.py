@@ -1,9 +1,19 @@
-"""Pipeline parallelism (2 processes) and TP x PP (4 processes) against single-process gradient accumulation."""
+"""Pipeline parallelism (2 processes) and TP x PP (4 processes) against single-process gradient accumulation; every
+test body runs on all ranks (tests/distributed.py)."""
+
+from datetime import timedelta
 
 import pytest
-from worker import ATOL
+import torch
+import torch.distributed as dist
+from distributed import tmp_dir
+from equivalence import ATOL, LLAMA, QWEN3, SEQ2SEQ_PIPELINE, batch, run_pipeline, save_checkpoint
+from helpers import GPT2_STYLE
 
-from hf_ppmoe.parallel import split_layers
+from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
+from hf_ppmoe.parallel import make_mesh, split_layers
+
+STYLES = {"llama": LLAMA, "gpt2": GPT2_STYLE, "qwen3": QWEN3, "seq2seq": SEQ2SEQ_PIPELINE}
 
 
 def assert_matches(result):
@@ -13,48 +23,83 @@ def assert_matches(result):
     assert result["params_after"] < ATOL
 
 
+@pytest.mark.distributed(2)
 @pytest.mark.parametrize(
     "case", ["gpipe/llama", "gpipe/gpt2", "gpipe/seq2seq", "1f1b/llama", "1f1b/gpt2", "1f1b/seq2seq"]
 )
-def test_two_stages_equal_single_process(two_ranks, case):
-    for rank in two_ranks("pipeline_two_stages"):
-        assert_matches(rank[case])
+def test_two_stages_equal_single_process(case):
+    """PP=2, GPipe and 1F1B: loss and gradients = single-process gradient accumulation, over two optimizer steps; the
+    encoder-decoder split encoder | decoder (the encoder output alone crosses, the second stage starts the decoder)."""
+    schedule, style = case.split("/")
+    assert_matches(run_pipeline(schedule, STYLES[style], dist.group.WORLD, None))
 
 
+@pytest.mark.distributed(4)
 @pytest.mark.parametrize("case", ["gpipe/qwen3", "1f1b/gpt2", "1f1b/seq2seq"])
-def test_tp_times_pp_equals_single_process(four_ranks, case):
-    for rank in four_ranks("tp_times_pp"):
-        assert_matches(rank[case])
+def test_tp_times_pp_equals_single_process(case):
+    """TP=2 x PP=2 on a (pp, tp) mesh: loss and gradients = single-process accumulation (q/k norm gradients, partial
+    per TP rank, summed per microbatch: accumulation must not sum them twice)."""
+    schedule, style = case.split("/")
+    mesh = make_mesh(pp=2, tp=2, timeout=timedelta(seconds=60))
+    assert_matches(run_pipeline(schedule, STYLES[style], mesh["pp"], mesh["tp"]))
 
 
-def test_encoder_decoder_on_four_stages_equals_single_process(four_ranks):
+@pytest.mark.distributed(4)
+def test_encoder_decoder_on_four_stages_equals_single_process():
     """[enc 0-1] -> [enc 2, dec 0] -> [dec 1] -> [dec 2, head]: every kind of hand-over, the encoder output passed
     through a stage, and parameters several stages hold (embeddings in both stacks and the tied head; each stack's
     relative position bias table) summed over exactly those stages."""
-    for rank in four_ranks("seq2seq_four_stages"):
-        assert_matches(rank["gpipe"])
-        assert rank["gpipe"]["holders"] == {
-            "embeddings": [0, 1, 3],
-            "encoder.relative_attention_bias": [0, 1],
-            "decoder.relative_attention_bias": [1, 2, 3],
-        }
+    result = run_pipeline("gpipe", SEQ2SEQ_PIPELINE, dist.group.WORLD, None, layers=3)
+    assert_matches(result)
+    assert result["holders"] == {
+        "embeddings": [0, 1, 3],
+        "encoder.relative_attention_bias": [0, 1],
+        "decoder.relative_attention_bias": [1, 2, 3],
+    }
 
 
+def transformers_pipeline_pair(style):
+    """A GPT-MoE checkpoint loaded with from_pretrained(distributed_config=DistributedConfig(pp_size=2)) and whole."""
+    from transformers import DistributedConfig
+
+    path = tmp_dir() / "checkpoint"
+    save_checkpoint(dict(num_hidden_layers=4, moe_layer_frequency=2, **style), path)
+    model = GPTMoEForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(pp_size=2))
+    return model, GPTMoEForCausalLM.from_pretrained(path)
+
+
+@pytest.mark.distributed(2)
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
-def test_transformers_pipeline_parallelism_runs_gpt_moe(two_ranks, style):
+def test_transformers_pipeline_parallelism_runs_gpt_moe(style):
     """from_pretrained(distributed_config=DistributedConfig(pp_size=2)): each rank runs its half of the layers;
     logits and greedy generation (left padding, KV cache) equal one process, learned positions added once."""
-    for r, rank in enumerate(two_ranks("transformers_pipeline")):
-        result = rank[style]
-        assert result["layers_here"] == [[0, 1], [2, 3]][r]
-        assert result["logits"] < 1e-6
-        assert result["generate_equal"]
+    model, ref = transformers_pipeline_pair(STYLES[style])
+    ids, mask, _ = batch(size=3, length=7)
+    mask[-1, -4:] = 1  # generation pads on the left only
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits - ref(input_ids=ids, attention_mask=mask).logits
+    assert logits.abs().max().item() < 1e-6
+    kw = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
+    layers_here = [i for i, layer in enumerate(model.model.layers) if hasattr(layer, "self_attn")]
+    assert layers_here == [[0, 1], [2, 3]][dist.get_rank()]
 
 
-def test_transformers_pipeline_parallelism_refusals(two_ranks):
-    result = two_ranks("transformers_pipeline", rank=1)  # the second stage, which would wait for activations
-    assert "runs inference only" in result["training"] and "hf_ppmoe.parallel.Pipeline" in result["training"]
-    assert "Seq2SeqMoEForConditionalGeneration has an encoder and a decoder" in result["seq2seq"]
+@pytest.mark.distributed(2)
+def test_transformers_pipeline_parallelism_refusals():
+    """A training forward, refused on every stage before any communicates (the second would wait for activations),
+    and an encoder-decoder."""
+    from transformers import DistributedConfig
+
+    model, _ = transformers_pipeline_pair(GPT2_STYLE)
+    ids = batch(size=3, length=7)[0]
+    with pytest.raises(RuntimeError, match="runs inference only") as error:
+        model.train()(input_ids=ids, labels=ids)
+    assert "hf_ppmoe.parallel.Pipeline" in str(error.value)
+    path = tmp_dir() / "seq2seq"
+    save_checkpoint({}, path, seq2seq=True)
+    with pytest.raises(ValueError, match="Seq2SeqMoEForConditionalGeneration has an encoder and a decoder"):
+        Seq2SeqMoEForConditionalGeneration.from_pretrained(path, distributed_config=DistributedConfig(pp_size=2))
 
 
 def test_split_layers():

@@ -13,7 +13,7 @@ from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.cli import main as cli
 from hf_ppmoe.conversion import merge_experts, upcycle
-from hf_ppmoe.conversion.megatron import ConversionError, checkpoint_args, load_megatron_checkpoint, save_megatron_checkpoint, to_megatron
+from hf_ppmoe.conversion.megatron_checkpoint import ConversionError, checkpoint_args, load_megatron_checkpoint, save_megatron_checkpoint, to_megatron
 from hf_ppmoe.generation import flat_beam_search
 
 
@@ -81,7 +81,7 @@ def test_inputs_labels_without_targets_warn(gpt, seq2seq):
     ]
     for model, inputs in cases:
         with pytest.warns(UserWarning, match="No label in this batch is a target"):
-            assert torch.isnan(model(**inputs).loss)
+            assert model(**inputs).loss == 0  # finite: it trains nothing (tests/modeling/test_no_target_batches.py)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # an ordinary batch does not warn
         gpt(ids, labels=ids)

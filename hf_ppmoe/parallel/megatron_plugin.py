@@ -1,10 +1,10 @@
 """Accelerate's Megatron-LM backend for GPT-MoE: a config parser, a model provider and a train step.
 
-Accelerate reads only the Transformers model's *config* and builds a fresh Megatron model; weights travel separately
-(`hf_ppmoe.conversion.megatron`). Usage on a GPU cluster (CUDA, and a Megatron-LM source checkout on PYTHONPATH:
-Accelerate imports `megatron.training`, which no PyPI wheel ships):
+Accelerate reads only the Transformers model's config and builds a fresh megatron-core `GPTModel` (local layer spec,
+experts on the tensor-parallel group: the PPMoE layout); weights travel through
+`hf_ppmoe.conversion.megatron_checkpoint`. Needs CUDA and a Megatron-LM source checkout on PYTHONPATH:
 
-    import hf_ppmoe.parallel.megatron as hm                     # also registers the "gpt_moe" config parser
+    import hf_ppmoe.parallel.megatron_plugin as hm              # also registers the "gpt_moe" config parser
     plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, context_parallel_size=1, num_micro_batches=4,
                               custom_model_provider_function=hm.model_provider(model.config),
                               custom_train_step_class=hm.GPTMoETrainStep,
@@ -12,37 +12,8 @@ Accelerate imports `megatron.training`, which no PyPI wheel ships):
                               other_megatron_args={"ckpt_format": "torch"})
     accelerator = Accelerator(megatron_lm_plugin=plugin)
 
-The model is megatron-core's `GPTModel` with its local (non-Transformer-Engine) layer spec. Its MoE layers put the
-experts on the tensor-parallel group, the PPMoE layout: expert_model_parallel_size = tensor_model_parallel_size,
-expert_tensor_parallel_size = 1, the allgather token dispatcher (each rank gathers the TP group's tokens, runs its
-E/TP experts, reduce-scatters back) and sequence parallelism whenever TP > 1 (megatron-core requires it for MoE).
-
-Mapping of our config (exact: logits and gradients match `GPTMoEForCausalLM`, tested on CPU):
-    topk gate, norm_topk_prob=True   -> top-k on logits then softmax over the k  (moe_router_pre_softmax=False)
-    topk, norm_topk_prob=False; switch -> softmax over all experts then top-k      (moe_router_pre_softmax=True)
-    router_aux_loss_coef c, M MoE layers -> moe_aux_loss_coeff = c / M (both losses: E * sum_e f_e * P_e per layer,
-        f_e = routes to e / (tokens * k); ours averages the layers, Megatron sums them)
-    router_z_loss_coef c                -> moe_z_loss_coeff = c / M (mean logsumexp^2 per layer)
-    moe_layer_frequency / moe_layers    -> moe_layer_freq as an explicit 0/1 list
-    sliding_window w                    -> window_size = (w - 1, 0)
-    qk_norm (Qwen3's per-head q/k RMSNorm) -> qk_layernorm: megatron-core normalises each query and key head over
-        head_dim with the model's normalization (RMSNorm) and eps before the rotary embedding, as ours does; its
-        finalize_model_grads sums those norms' gradients over the TP group (each rank sees its own heads)
-Megatron ties a router bias to add_bias_linear; our routers have none, so the provider removes it.
-
-What Megatron cannot express (`check_megatron_compatible` raises ValueError naming each):
-    - router_type "gshard" (random routing of the 2nd expert, group-local capacity with first-routes-first
-      priority, aux loss over first choices) and "prototype" (M6-T: one softmax per expert prototype);
-    - any capacity (capacity_factor / eval_capacity_factor): Megatron drops per sequence-parallel shard, by token
-      position or probability, also at evaluation; ours per group with k-major priority. PPMoE is dropless anyway;
-    - router_num_groups > 1 (our aux loss per group; Megatron's per micro-batch);
-    - router_jitter_noise > 0 (Megatron jitters at evaluation too);
-    - biases other than none, q/k/v only (Qwen2), or all linear layers (GPT-2); a shared expert with biases;
-    - rope scaling other than the default rotary embedding;
-    - qk_norm with norm_type "layernorm" (Megatron's q/k norms take the model's normalization; ours are RMSNorm).
-Also: padding tokens take part in Megatron's routing statistics (ours exclude them), and with pipeline parallelism
-the reported loss omits the router losses (their gradients are still applied; see `GPTMoETrainStep`).
-`seq2seq_moe` is not supported: see `parse_seq2seq_moe_config`.
+How each config field maps, and what Megatron cannot express (refused by `check_megatron_compatible`):
+docs/megatron.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
-"""GPT-MoE checkpoints <-> Megatron-LM checkpoints of the megatron-core GPTModel that `hf_ppmoe.parallel.megatron`
-builds (local layer spec, experts on the tensor-parallel group). Needs torch only, not megatron-core.
+"""GPT-MoE checkpoints <-> Megatron-LM checkpoints of the megatron-core GPTModel that
+`hf_ppmoe.parallel.megatron_plugin` builds (experts on the tensor-parallel group). Needs torch only.
 
-Legend: L layers, H hidden, I FFN inner size, E experts, V vocabulary (Vp padded), nh heads, ng KV groups, d head dim.
+Both directions are `mapping.py` tables and ops (`rules`, `SHARDING`), so the round trip is bit-exact. On disk:
+Megatron-LM's legacy "torch" format (`release/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), written through a
+temporary folder renamed into place. Name and layout tables: docs/megatron.md. Command line:
 
-Both directions are `mapping.py` tables and ops, so the round trip is bit-exact:
-- `rules(config, Vp)`: our weight names <-> megatron-core names of the whole, unsharded model, each with an exact op:
-      model.layers.{i}.self_attn.{q,k,v}_proj.weight -> decoder.layers.{i}.self_attention.linear_qkv.weight
-          InterleaveQKV: rows grouped per KV group, [q heads of group g; k_g; v_g] for g = 0..ng-1
-      model.layers.{i}.self_attn.{q,k}_norm.weight -> decoder.layers.{i}.self_attention.{q,k}_layernorm.weight
-      model.layers.{i}.mlp.{gate,up}_proj.weight -> decoder.layers.{i}.mlp.linear_fc1.weight  Concat: [gate; up]
-      model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H] ([gate; up])
-          -> decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight [2I, H]   Unstack
-      model.embed_tokens.weight [V, H] -> embedding.word_embeddings.weight [Vp, H]        PadRows: zero rows
-- `SHARDING`: how each megatron-core tensor is split over tensor-parallel ranks (`tp_op`): column (Split along
-  dim 0), gated fc1 (rank r holds [gate_r; up_r], not a slice of [gate; up]: Split with blocks=2), row (Split along
-  dim 1), replicated (Copies; checked equal when merging), or expert (expert e on rank e // (E / TP) as local
-  expert e % (E / TP), unsplit: expert_tensor_parallel_size = 1).
-  Pipeline stages hold contiguous blocks of L / PP layers, renumbered from 0; the embedding lives on the first stage,
-  the final norm and output layer on the last (with tied embeddings and PP > 1, the last stage keeps a copy).
-
-On disk: Megatron-LM's legacy "torch" format, which its `load_checkpoint` reads (and auto-detects):
-    DIR/latest_checkpointed_iteration.txt                       "release" (or the iteration)
-    DIR/release/mp_rank_{tp:02d}[_{pp:03d}][_{ep:03d}]/model_optim_rng.pt
-        {"args": Namespace(model arguments), "checkpoint_version": 3.0, "iteration": 0, "model": GPTModel.state_dict()}
-_pp is present when PP > 1, _ep when the expert-parallel size (= TP for MoE models) is > 1, and ep rank = tp rank.
-Output is written to a temporary folder and renamed into place. Command line:
-    python -m hf_ppmoe.conversion.megatron to-megatron HF_DIR MEGATRON_DIR --tp 2 --pp 2
-    python -m hf_ppmoe.conversion.megatron to-hf MEGATRON_DIR HF_DIR --config HF_DIR_OR_CONFIG_JSON
+    hf-ppmoe megatron to-megatron HF_DIR MEGATRON_DIR --tp 2 --pp 2
+    hf-ppmoe megatron to-hf MEGATRON_DIR HF_DIR --config HF_DIR_OR_CONFIG_JSON
 """
 
 from __future__ import annotations
@@ -35,6 +15,7 @@ import argparse
 import pickle
 import re
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -307,7 +288,7 @@ def unshard(shards: dict[tuple[int, int], dict], config, *, tp: int, pp: int) ->
 
 def to_megatron(state_dict: dict, config, *, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128):
     """Our state dict -> {(tp_rank, pp_rank): megatron-core GPTModel state dict} for a TP x PP layout."""
-    from ..parallel.megatron import check_megatron_compatible, padded_vocab_size
+    from ..parallel.megatron_plugin import check_megatron_compatible, padded_vocab_size
 
     check_megatron_compatible(config)
     padded = padded_vocab_size(config.vocab_size, tp, make_vocab_size_divisible_by)
@@ -331,7 +312,7 @@ def rank_dir(tp_rank: int, pp_rank: int, *, pp: int, ep: int) -> str:
 
 def checkpoint_args(config, *, tp: int, pp: int, make_vocab_size_divisible_by: int = 128) -> dict:
     """The `args` stored with the weights: what Megatron-LM's checkpoint checks and --use-checkpoint-args read."""
-    from ..parallel.megatron import megatron_lm_args, padded_vocab_size
+    from ..parallel.megatron_plugin import megatron_lm_args, padded_vocab_size
 
     args = megatron_lm_args(config, tp=tp, pp=pp)
     args.setdefault("expert_model_parallel_size", 1)
@@ -430,7 +411,7 @@ def load_megatron_checkpoint(directory, *, weights_only: bool = True) -> tuple[d
 
 
 def _check_args(args, config, tp: int, pp: int) -> None:
-    from ..parallel.megatron import megatron_lm_args
+    from ..parallel.megatron_plugin import megatron_lm_args
 
     expected = megatron_lm_args(config, tp=tp, pp=pp)
     keys = (
@@ -490,37 +471,73 @@ def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = T
     return model
 
 
-def main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron") -> int:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    a = sub.add_parser("to-megatron", help="GPT-MoE folder -> Megatron-LM release checkpoint (legacy torch format)")
-    a.add_argument("hf_path")
-    a.add_argument("out")
-    a.add_argument("--tp", type=int, default=1, help="tensor-parallel size (= expert-parallel size)")
-    a.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
-    a.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="as Megatron-LM's argument")
-    a.add_argument("--overwrite", action="store_true")
-    b = sub.add_parser("to-hf", help="Megatron-LM checkpoint -> GPT-MoE folder")
-    b.add_argument("megatron_path")
-    b.add_argument("out")
-    b.add_argument("--config", required=True, help="GPT-MoE folder or config.json describing the model")
-    b.add_argument("--trust-checkpoint", action="store_true", help="allow pickled Python objects (Megatron-LM args)")
-    ns = parser.parse_args(argv)
+@dataclass
+class ToMegatronArguments:
+    source: str = field(metadata={"help": "GPT-MoE folder to convert."})
+    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite."})
+    tp: int = field(default=1, metadata={"help": "Tensor-parallel size (= expert-parallel size)."})
+    pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
+    make_vocab_size_divisible_by: int = field(default=128, metadata={"help": "As Megatron-LM's argument."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace OUT if it exists."})
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)}: must be at least 1")
+
+
+@dataclass
+class ToHFArguments:
+    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert."})
+    output: str = field(metadata={"help": "GPT-MoE folder to write."})
+    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model."})
+    trust_checkpoint: bool = field(
+        default=False, metadata={"help": "Allow pickled Python objects (Megatron-LM's args) when loading."}
+    )
+
+
+def run_to_megatron(args: ToMegatronArguments) -> Path:
+    return convert_hf_to_megatron(
+        args.source, args.output, tp=args.tp, pp=args.pp, overwrite=args.overwrite,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+
+
+def run_to_hf(args: ToHFArguments) -> Path:
+    convert_megatron_to_hf(args.source, args.output, args.config, weights_only=not args.trust_checkpoint)
+    return Path(args.output)
+
+
+COMMANDS = {
+    "to-megatron": (ToMegatronArguments, run_to_megatron, "GPT-MoE folder -> Megatron-LM release checkpoint (legacy "
+                    "torch format, TP x PP, experts on the TP group)."),
+    "to-hf": (ToHFArguments, run_to_hf, "Megatron-LM checkpoint of a GPT-MoE -> GPT-MoE folder."),
+}
+
+
+def main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron_checkpoint") -> int:
+    """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG`. Bad flags and refusals
+    end as one `PROG: error: ...` line with exit code 2 (SystemExit, as argparse's own errors)."""
+    from ..utils.arguments import parse_arguments
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in COMMANDS:
+        listing = "\n".join(f"  {name:<12} {help}" for name, (_, _, help) in COMMANDS.items())
+        usage = f"usage: {prog} {{{','.join(COMMANDS)}}} SRC OUT [options] (--help)\n\ncommands:\n{listing}\n"
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return 0
+        sys.stderr.write(usage)
+        raise SystemExit(2)
+    arguments, run, description = COMMANDS[argv[0]]
+    args = parse_arguments(arguments, argv[1:], prog=f"{prog} {argv[0]}", description=description,
+                           positionals={"source": "SRC", "output": "OUT"})
     try:
-        if ns.command == "to-megatron":
-            convert_hf_to_megatron(
-                ns.hf_path,
-                ns.out,
-                tp=ns.tp,
-                pp=ns.pp,
-                overwrite=ns.overwrite,
-                make_vocab_size_divisible_by=ns.make_vocab_size_divisible_by,
-            )
-        else:
-            convert_megatron_to_hf(ns.megatron_path, ns.out, ns.config, weights_only=not ns.trust_checkpoint)
+        out = run(args)
     except (ConversionError, OSError, ValueError) as err:  # refusals and missing files: one line, no traceback
-        parser.exit(2, f"{parser.prog}: error: {err}\n")
-    print(f"wrote {ns.out}")
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        raise SystemExit(2) from None
+    print(f"wrote {out}")
     return 0
 
 

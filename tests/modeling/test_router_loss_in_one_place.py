@@ -1,0 +1,25 @@
+"""The router term of the loss (coefficient times aux loss plus coefficient times z loss) is written once, in
+`hf_ppmoe.moe.losses.router_loss`: no other module of the models multiplies by a router loss coefficient."""
+
+import re
+from pathlib import Path
+
+import hf_ppmoe
+
+PACKAGE = Path(hf_ppmoe.__file__).parent
+# a coefficient in a product: `router_aux_loss_coef * aux`, `aux * config.router_z_loss_coef`, `aux_coef * aux`, ...
+PRODUCT = re.compile(r"\b\w*(aux|z)\w*_coef\w*\s*\*|\*\s*[\w.]*\b\w*(aux|z)\w*_coef\b")
+
+
+def test_router_loss_formula_is_only_in_moe_losses():
+    sources = [p for folder in ("modeling", "moe") for p in (PACKAGE / folder).rglob("*.py")]
+    assert PACKAGE / "moe" / "losses.py" in sources
+    places = [
+        f"{path.relative_to(PACKAGE)}:{number}: {line.strip()}"
+        for path in sources
+        if path.name != "losses.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if PRODUCT.search(line)
+    ]
+    assert not places, "the router-loss sum written outside moe/losses.py (use router_loss):\n" + "\n".join(places)
+    assert PRODUCT.search((PACKAGE / "moe" / "losses.py").read_text())  # the pattern finds the one place

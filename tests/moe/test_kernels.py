@@ -1,0 +1,153 @@
+"""The capability table and the implementations it picks: every implementation gives the index dispatch's numbers,
+torch's grouped GEMM cannot leak what it leaves undefined into gradients, Transformers' `grouped_mm` falls back
+instead of crashing where the kernel cannot run, the README quotes the table the code uses, and the torch floor is
+the release with the kernel."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import tiny_gpt_config
+from test_execution import poisoned_grouped_mm
+from test_experts import GATE_SETTINGS, MLP_STYLES
+
+from hf_ppmoe.moe import EXPERTS_FUNCTIONS, MoELayer
+from hf_ppmoe.moe import kernels as kernels_module
+from hf_ppmoe.moe.kernels import CAPABILITIES, capability, capability_table
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def choose(device, dtype, compiled=False, grad=True, tokens=512, k=2, sm=None, aligned=True):
+    return capability(device, sm, dtype, compiled, grad, tokens, tokens * k, aligned).implementation
+
+
+def test_capability_table_rows():
+    bf16, fp32, fp16 = torch.bfloat16, torch.float32, torch.float16
+    # sync-free kernel: bf16 on sm90 / sm100 only, eager and compiled, training and decoding
+    for sm in ((9, 0), (10, 0)):
+        for compiled in (False, True):
+            assert choose("cuda", bf16, compiled, sm=sm) == "index_kernel"
+            assert choose("cuda", bf16, compiled, grad=False, tokens=1, sm=sm) == "index_kernel"
+    # A100, L4/L40, RTX: training syncs; decoding (no gradients) does not
+    for sm, dtype in [((8, 0), bf16), ((8, 9), bf16), ((12, 0), bf16), ((9, 0), fp32), ((9, 0), fp16)]:
+        row = capability("cuda", sm, dtype, False, True, 512, 1024, True)
+        assert (row.implementation, row.syncs) == ("index_loop", True), (sm, dtype)
+        assert choose("cuda", dtype, grad=False, tokens=32, sm=sm) == "all_experts"
+        assert choose("cuda", dtype, compiled=True, grad=False, tokens=4096, sm=sm) == "all_experts"
+        assert choose("cuda", dtype, grad=False, tokens=4096, sm=sm) == "index_loop"
+    # sizes off the 16-byte rule never reach the kernel
+    assert choose("cuda", bf16, sm=(9, 0), aligned=False) == "index_loop"
+    assert choose("cpu", fp32, aligned=False) == "index_loop"
+    # CPU: the kernel in eager mode, bf16 only when compiled, the decoding shortcut for one or two routes
+    assert choose("cpu", fp32) == "index_kernel"
+    assert choose("cpu", fp32, compiled=True) == "index_loop"
+    assert choose("cpu", bf16, compiled=True) == "index_kernel"
+    assert choose("cpu", torch.float64) == "index_loop"
+    assert choose("cpu", fp32, grad=False, tokens=1) == "cpu_decode"
+    assert choose("cpu", fp32, grad=False, tokens=3) == "index_kernel"
+    assert all(row.implementation in EXPERTS_FUNCTIONS for row in CAPABILITIES)
+
+
+def test_readme_and_docs_quote_the_capability_table():
+    table = capability_table()
+    for page in ("README.md", "docs/gpu.md"):
+        assert table in (ROOT / page).read_text(), f"{page} does not quote hf_ppmoe.moe.capability_table()"
+
+
+def test_torch_floor_is_the_release_with_grouped_mm():
+    floor = re.search(r'"torch>=([0-9.]+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert floor == kernels_module.GROUPED_MM_MIN_TORCH
+
+
+def test_torch_without_grouped_mm_says_so_and_takes_the_loop(monkeypatch, caplog):
+    """An older torch (no torch.nn.functional.grouped_mm) runs the loop, with a warning that names the fix."""
+    monkeypatch.delattr(kernels_module.F, "grouped_mm")
+    monkeypatch.setattr(kernels_module.logger, "warning_once", kernels_module.logger.warning)  # not deduplicated
+    with caplog.at_level("WARNING"):
+        layer = MoELayer(tiny_gpt_config())
+    assert "torch>=" in caplog.text and "grouped_mm" in caplog.text
+    assert choose("cpu", torch.float32) == "index_loop"
+    assert choose("cuda", torch.bfloat16, sm=(9, 0)) == "index_loop"
+    assert layer.experts.implementation(torch.zeros(8, 32), torch.zeros(8, 2, dtype=torch.long)) == "index_loop"
+
+
+def run_as(layer, name, x, grad):
+    """The layer's experts run as implementation `name` (its routing fixed by the gate), output and gradients."""
+    layer.zero_grad()
+    torch.manual_seed(0)
+    x = x.clone().requires_grad_(grad)
+    with torch.set_grad_enabled(grad):
+        routing = layer.gate(x)
+        y = EXPERTS_FUNCTIONS[name](layer.experts, x, routing.expert_ids, routing.weights)
+        if not grad:
+            return y, None
+        y.square().sum().backward()
+    return y.detach(), {n: p.grad.clone() for n, p in layer.experts.named_parameters()}
+
+
+@pytest.mark.parametrize("mlp", MLP_STYLES, ids=["gated", "plain_bias"])
+@pytest.mark.parametrize("gate", GATE_SETTINGS, ids=lambda g: f"{g['router_type']}-cf{g.get('capacity_factor')}")
+@pytest.mark.parametrize("name", ["all_experts", "cpu_decode", "index_loop", "einsum"])
+def test_every_implementation_gives_the_kernel_numbers(name, gate, mlp):
+    """Outputs without gradients (and gradients where the implementation trains) equal `index_kernel`'s, dropped
+    routes and padding included."""
+    layer = MoELayer(tiny_gpt_config(num_experts=4, **gate, **mlp)).train()
+    tokens = 2 // layer.gate.top_k if name == "cpu_decode" else 24  # the decoding shortcut takes two routes at most
+    x = torch.randn(tokens, 32)
+    trains = name in ("index_loop", "einsum")
+    y_ref, g_ref = run_as(layer, "index_kernel", x, trains)
+    y, grads = run_as(layer, name, x, trains)
+    torch.testing.assert_close(y, y_ref, atol=1e-5, rtol=1e-5)
+    for n in g_ref or {}:
+        torch.testing.assert_close(grads[n], g_ref[n], atol=1e-5, rtol=1e-5, msg=n)
+
+
+def test_all_experts_keeps_a_non_finite_expert_output_out_of_tokens_not_routed_to_it():
+    layer = MoELayer(tiny_gpt_config(num_experts=4, num_experts_per_tok=1, router_type="switch")).eval()
+    x = torch.randn(6, 32)
+    routing = layer.gate(x)
+    unused = next(e for e in range(4) if not (routing.expert_ids == e).any())
+    with torch.no_grad():
+        layer.experts.down_proj[unused] = float("inf")
+        y = EXPERTS_FUNCTIONS["all_experts"](layer.experts, x, routing.expert_ids, routing.weights)
+    assert torch.isfinite(y).all()
+
+
+def test_empty_experts_and_sentinel_tails_get_exact_zero_gradients_whatever_the_kernel_writes(monkeypatch):
+    """Eight experts, three tokens, capacity: some experts get no row, some routes are dropped (sentinel tail). torch's
+    grouped GEMM is replaced by one that writes NaN into everything it leaves undefined, forward and backward (as
+    faulty kernels have): the gradients are still the loop's, and exactly zero for the experts without rows."""
+    config = tiny_gpt_config(num_experts=8, num_experts_per_tok=2, capacity_factor=1.0, mlp_bias=True)
+    layer = MoELayer(config).train()
+    x = torch.randn(3, 32)
+    monkeypatch.setattr(kernels_module.F, "grouped_mm", poisoned_grouped_mm(torch.nn.functional.grouped_mm))
+    y, grads = run_as(layer, "index_kernel", x, True)
+    y_ref, g_ref = run_as(layer, "index_loop", x, True)
+    ids = layer.gate(x).expert_ids
+    empty = [e for e in range(8) if not (ids == e).any()]
+    assert empty and (ids == 8).any(), "the case should have empty experts and dropped routes"
+    torch.testing.assert_close(y, y_ref, atol=1e-6, rtol=1e-5)
+    for n in g_ref:
+        torch.testing.assert_close(grads[n], g_ref[n], atol=1e-6, rtol=1e-5, msg=n)
+        assert (grads[n][empty] == 0).all(), n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("hidden,inner", [(32, 1), (32, 2), (32, 3), (30, 6), (16, 4), (24, 5), (8, 8)])
+def test_transformers_grouped_mm_dispatch_falls_back_instead_of_crashing(hidden, inner, dtype):
+    """`dispatch="grouped_mm"` (Transformers' kernel on our weights) at sizes and dtypes the kernel refuses (rows
+    off its 16-byte rule, float64) runs the table's fallback, with the index dispatch's numbers."""
+    sizes = dict(hidden_size=hidden, intermediate_size=inner, num_attention_heads=2, num_key_value_heads=2)
+    layer = MoELayer(tiny_gpt_config(**sizes, dispatch="grouped_mm")).to(dtype).train()
+    reference = MoELayer(tiny_gpt_config(**sizes)).to(dtype).train()
+    reference.load_state_dict(layer.state_dict())
+    x = torch.randn(10, hidden, dtype=dtype)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad):
+            y, _ = layer(x)
+            y_ref, _ = reference(x)
+        torch.testing.assert_close(y, y_ref)
+    kernel = kernels_module.aligned(dtype, hidden, inner) and dtype != torch.float64
+    assert (layer.experts.implementation(x, torch.zeros(10, 2, dtype=torch.long)) == "grouped_mm") == kernel

@@ -1,0 +1,142 @@
+"""Parallelism applied in the open: `print(model)` after tensor / expert parallelism shows the modules that run, and
+hf_ppmoe's modules import each other without a cycle.
+
+The multi-process checks run their own bodies under torchrun (2 ranks, gloo) and fail at their own assert."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def launch(body: str, *args: str, nprocs: int = 2) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    done = subprocess.run([*command, __file__, body, *args], env=env, capture_output=True, text=True, timeout=900)
+    ranks = "\n".join(line for line in done.stderr.splitlines() if line.startswith("[rank"))  # their tracebacks
+    assert done.returncode == 0, f"{body} failed:\n{done.stdout[-2000:]}\n{ranks[-12000:] or done.stderr[-8000:]}"
+
+
+def test_repr_shows_tensor_and_expert_parallel_modules():
+    launch("visible_modules")
+
+
+def _relative_imports(path: Path, package: str) -> set[str]:
+    """The hf_ppmoe modules `path` imports (relative imports, at any depth of the file)."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+            target = f"{base}.{node.module}" if node.module else base
+            imported.add(target)
+            imported.update(f"{target}.{alias.name}" for alias in node.names)  # `from . import expert_parallel`
+    return imported
+
+
+def test_no_import_cycle():
+    modules = {}
+    for path in (ROOT / "hf_ppmoe").rglob("*.py"):
+        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        package = name.rsplit(".", 1)[0] if path.name != "__init__.py" else name.removesuffix(".__init__")
+        modules[name.removesuffix(".__init__")] = (path, package)
+    graph = {
+        name: {m for m in _relative_imports(path, package) if m in modules and m != name}
+        for name, (path, package) in modules.items()
+        if not name.endswith("__init__") and path.name != "__init__.py"  # a package's face only hands names on
+    }
+    for name in list(graph):
+        graph[name] = {m for m in graph[name] if m in graph}
+    state: dict[str, int] = {}
+
+    def visit(name, trail):
+        state[name] = 1
+        for target in sorted(graph[name]):
+            assert state.get(target) != 1, "import cycle: " + " -> ".join([*trail, name, target])
+            if target not in state:
+                visit(target, [*trail, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+
+
+# ---- the body, run under torchrun ----
+
+
+def visible_modules():
+    import torch
+    import torch.distributed as dist
+    from transformers import DistributedConfig
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from helpers import tiny_gpt_config, tiny_seq2seq_config
+
+    from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
+    from hf_ppmoe.moe import MoELayer
+    from hf_ppmoe.moe.experts import Experts
+    from hf_ppmoe.parallel import expert_mesh, init_distributed, make_mesh, parallelize
+    from hf_ppmoe.parallel.expert_parallel import PPMoELayer
+    from hf_ppmoe.parallel.modules import ExpertParallel, TensorParallel
+
+    init_distributed()
+    rank = dist.get_rank()
+    mesh = make_mesh(tp=2)
+    ppmoe = f"style='ppmoe', group_size=2, rank={rank}, experts=[{2 * rank}, {2 * rank + 2}) of 4"
+
+    for cls, config in (
+        (GPTMoEForCausalLM, tiny_gpt_config(moe_layer_frequency=2)),  # layer 0 dense, layer 1 MoE
+        (Seq2SeqMoEForConditionalGeneration, tiny_seq2seq_config()),
+    ):
+        torch.manual_seed(0)
+        model = cls(config)
+        keys = list(model.state_dict())
+        ref = cls(config)
+        ref.load_state_dict(model.state_dict())
+        parallelize(model, mesh["tp"])
+        text = repr(model)
+        assert "PPMoELayer(" in text and ppmoe in text, text
+        colwise = "in_features=32, out_features=32, bias=False, style='colwise', group_size=2"
+        assert f"TensorParallelLinear({colwise}, rank={rank})" in text, text
+        assert "style='rowwise'" in text and "style='replicated_input'" in text and "style='embedding_rowwise'" in text
+        for name, module in model.named_modules():  # the original classes, and only the planned modules changed
+            original = dict(ref.named_modules())[name]
+            assert isinstance(module, type(original)), name
+            assert isinstance(module, (TensorParallel, ExpertParallel)) == (type(module) is not type(original)), name
+        experts = [m for m in model.modules() if isinstance(m, Experts)]
+        assert all(isinstance(e, ExpertParallel) and e.num_experts == 2 for e in experts)
+        assert all(isinstance(m, PPMoELayer) for m in model.modules() if isinstance(m, MoELayer))
+        assert list(model.state_dict()) == keys
+        # what the repr shows is what runs: the same loss as the unsplit model
+        ids = torch.randint(3, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+        assert torch.allclose(model(input_ids=ids, labels=ids).loss, ref(input_ids=ids, labels=ids).loss, atol=1e-5)
+
+    # the same through Transformers' expert-parallel entry point
+    torch.manual_seed(0)
+    distributed, _, manager = GPTMoEForCausalLM.prepare_distribute_model(
+        DistributedConfig(tp_size=2, ep_size=2, ep_implementation="ppmoe")
+    )
+    model = GPTMoEForCausalLM.maybe_distribute_model(GPTMoEForCausalLM(tiny_gpt_config()), distributed, manager)
+    text = repr(model)
+    assert "PPMoELayer(" in text and ppmoe in text, text
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    assert all(isinstance(m, PPMoELayer) and isinstance(m.experts, ExpertParallel) for m in layers)
+
+    # experts over the data-parallel ranks (tp=1, ep=2): Transformers' all-to-all
+    data_mesh = make_mesh(fsdp=2)
+    model = parallelize(GPTMoEForCausalLM(tiny_gpt_config()), data_mesh["tp"], ep=expert_mesh(data_mesh, 2).ep)
+    text = repr(model)
+    all_to_all = f"style='all_to_all_with_drops', group_size=2, rank={rank}, experts=[{2 * rank}, {2 * rank + 2}) of 4"
+    assert all_to_all in text, text
+    assert all(isinstance(m, ExpertParallel) for m in model.modules() if isinstance(m, Experts))
+    assert "PPMoELayer" not in text and "TensorParallel" not in text, text
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
