@@ -23,10 +23,9 @@ What is logged, every logging step and for every evaluation (prefixed `eval_`), 
   micro-batches, `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
-- `no_target_batches` (training): the micro-batches since the last log entry whose labels have no target token (all
-  -100, or sequences of one token, which a causal LM cannot predict). They are zero-weighted, not a NaN: the model
-  runs without labels and its loss is 0 times its logits, so every parameter gets a zero gradient (data-parallel
-  processes keep in step) and Trainer's `loss` counts them as 0. Evaluation batches are not changed.
+- `no_target_batches`: the micro-batches whose labels have no target token (all -100, or one-token sequences, which a
+  causal LM cannot predict). The model gives them a loss of 0 and no gradient, so they neither stop nor poison a run;
+  Trainer's `loss` counts them as 0. Counted on the device, as `python -m hf_ppmoe.training` counts them.
 Only forwards given `labels` count for the losses (with a `compute_loss_func` or label smoothing the model gets no
 labels and only the router statistics are logged). Not covered: `use_legacy_prediction_loop`, and several GPUs in one
 process (`torch.nn.DataParallel`, which Trainer uses when it sees several GPUs without a launcher: its replicas would
@@ -48,21 +47,15 @@ from .tracking import RouterMonitor
 
 class LossMonitor:
     """A forward hook on `model` (what Trainer calls: our model, or a PEFT model around `moe_model`) that sums, over the
-    forwards given labels, the LM cross-entropy, the label tokens and the token-weighted aux and z losses, on the
-    device, until `collect()`."""
+    forwards given labels, the LM cross-entropy, the label tokens, the token-weighted aux and z losses and the forwards
+    without a target token, on the device, until `collect()`."""
 
     def __init__(self, model: torch.nn.Module, moe_model: torch.nn.Module):
         config = moe_model.config
         self.coefficients = config.router_aux_loss_coef, config.router_z_loss_coef
         self.shifts_labels = not config.is_encoder_decoder  # GPT-MoE predicts labels[:, 1:]
-        self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z]
+        self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z, forwards without a target]
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
-
-    def targets(self, labels: torch.Tensor, shift_labels: torch.Tensor | None = None) -> torch.Tensor:
-        """The label tokens the model predicts (GPT-MoE: labels[:, 1:], or the `shift_labels` it was given)."""
-        if not self.shifts_labels:
-            return labels
-        return shift_labels if shift_labels is not None else labels[..., 1:]
 
     @torch.no_grad()
     def _hook(self, module, args, kwargs, output):
@@ -70,7 +63,7 @@ class LossMonitor:
         aux, z = getattr(output, "aux_loss", None), getattr(output, "z_loss", None)
         if labels is None or loss is None or aux is None:
             return
-        targets = self.targets(labels, kwargs.get("shift_labels"))
+        targets = kwargs.get("shift_labels", labels[..., 1:]) if self.shifts_labels else labels
         num_items = kwargs.get("num_items_in_batch")
         tokens = (targets != -100).sum()
         # the model's loss: its LM loss (a mean over `tokens`, or a sum divided by num_items_in_batch) plus the router
@@ -78,7 +71,7 @@ class LossMonitor:
         aux_coef, z_coef = self.coefficients
         lm = loss - router_loss_weight(targets, num_items) * (aux_coef * aux + z_coef * z)
         cross_entropy = lm * (num_items if num_items is not None else tokens)
-        sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z]).float()
+        sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z, tokens == 0]).float()
         self.sums = sums if self.sums is None else self.sums + sums.to(self.sums.device)
 
     @contextmanager
@@ -91,14 +84,13 @@ class LossMonitor:
             self.sums = saved
 
     def collect(self, reduce, device) -> dict[str, float]:
-        """Token-weighted means since the last collect, summed over processes by `reduce` (every process calls it);
-        empty when no forward had a label."""
-        sums = reduce(self.sums.to(device) if self.sums is not None else torch.zeros(4, device=device))
-        self.sums = None
-        if sums[1] == 0:
-            return {}
-        lm, _, aux, z = (sums / sums[1]).tolist()
-        return {"lm_loss": lm, "aux_loss": aux, "z_loss": z}
+        """Token-weighted means since the last collect, summed over processes by `reduce` (every process calls it),
+        and the count of forwards without a target; empty when no forward had a label."""
+        sums = reduce(self.sums.to(device) if self.sums is not None else torch.zeros(5, device=device))
+        self.sums, (ce, tokens, aux, z, no_target) = None, sums.tolist()
+        if tokens == 0:
+            return {"no_target_batches": int(no_target)} if no_target else {}
+        return {"lm_loss": ce / tokens, "aux_loss": aux / tokens, "z_loss": z / tokens, "no_target_batches": int(no_target)}
 
     def remove(self):
         self.handle.remove()
@@ -119,26 +111,8 @@ class MoETrainerMixin:
                 f"Seq2SeqMoEForConditionalGeneration (possibly inside a PEFT model); {type(self.model).__name__} holds "
                 f"{len(moe_models)}. Use transformers.Trainer for other models."
             )
-        self.moe_model = moe_models[0]
-        self.loss_monitor = LossMonitor(self.model, self.moe_model)
-        self.router_monitor = RouterMonitor(self.moe_model)
-        self.no_target_batches = 0  # since the last training log entry, on this process
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Trainer's loss, except for a training micro-batch without a target token (see the module docstring)."""
-        labels = inputs.get("labels")
-        if not model.training or labels is None:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        targets = self.loss_monitor.targets(labels, inputs.get("shift_labels"))
-        if (targets != -100).any():
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        self.no_target_batches += 1
-        inputs = {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}
-        if self.moe_model.config.is_encoder_decoder and "decoder_input_ids" not in inputs:
-            inputs["decoder_input_ids"] = self.moe_model.prepare_decoder_input_ids_from_labels(labels)
-        outputs = model(**inputs)
-        loss = outputs.logits.sum() * 0.0  # a zero gradient for every parameter the forward used
-        return (loss, outputs) if return_outputs else loss
+        self.loss_monitor = LossMonitor(self.model, moe_models[0])
+        self.router_monitor = RouterMonitor(moe_models[0])
 
     def _moe_metrics(self, prefix: str = "") -> dict[str, float]:
         """What the monitors gathered since they were last collected, over all processes (every process calls this)."""
@@ -156,9 +130,6 @@ class MoETrainerMixin:
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log entry (evaluation metrics are added in evaluation_loop)
             logs.update(self._moe_metrics())
-            skipped = torch.tensor(float(self.no_target_batches), device=self.args.device)
-            logs["no_target_batches"] = int(self.accelerator.reduce(skipped, reduction="sum").item())
-            self.no_target_batches = 0
         super().log(logs, *args, **kwargs)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"):

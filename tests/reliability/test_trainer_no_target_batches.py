@@ -1,6 +1,6 @@
 """Issue 25, MoETrainer: a micro-batch whose labels have no target token (all -100, or one-token sequences of a causal
-LM) is counted in the log (`no_target_batches`) and zero-weighted: the step equals the step on the other micro-batches
-alone, and nothing turns NaN."""
+LM) is counted in the log (`no_target_batches`) and weighs nothing (the model's loss for it is 0, without gradient):
+the step equals the step on the other micro-batches alone, and nothing turns NaN."""
 
 import copy
 import math
