@@ -58,7 +58,7 @@ def fits(needed: float, memory: float | None) -> str:
     """'' when `needed` bytes fit `memory` (None: no limit, CPU), else the reason to skip."""
     if memory is None or needed <= USABLE * memory:
         return ""
-    return f"skipped: needs ~{needed / GiB:,.0f} GiB, {memory / GiB:,.0f} GiB card"
+    return f"skipped: needs ~{needed / GiB:,.1f} GiB, {memory / GiB:,.1f} GiB card"
 
 
 class Timer:

@@ -9,13 +9,14 @@
 Process start-up is the expensive part, so the first marked test to run starts one launch (torch.multiprocessing,
 spawn; gloo; OMP_NUM_THREADS=1) for every selected test of its world size (and `group`, for tests that patch their
 processes, e.g. megatron-core's CPU patches), across test files; each process runs them in collection order. Each
-test then reports its own outcome: a rank's exception is raised again in the parent with the rank's traceback (the
-assert line, pytest's assert explanation), `pytest.skip` skips. A rank that fails leaves the launch (its peers' next
-collective then fails fast); the tests after the failed one run in a new launch, so one failure is reported once.
+test starts on all ranks together (a barrier) and reports its own outcome: a rank's exception is raised again in the
+parent with the rank's traceback (the assert line, pytest's assert explanation), `pytest.skip` skips. A rank that
+fails leaves the launch (its peers' next collective then fails fast); the tests after the failed one run in a new
+launch, so one failure is reported once.
 
 A marked test takes only its parametrize arguments (no fixtures): `tmp_dir()` gives a folder that is the same on
 every rank of the test. A test body that raises SystemExit on a rank ends that rank's part of the launch (a dead
-peer); the test passes on that rank.
+peer; the test passes on that rank, and the tests after it run in a new launch).
 """
 
 from __future__ import annotations
@@ -174,6 +175,7 @@ def run(tests: list[Case], world_size: int, timeout: float = LAUNCH_TIMEOUT) -> 
                 process.start()
             launch = {test.nodeid: Outcome() for test in tests}
             running = {}  # rank -> index of its test
+            left = len(tests)  # the first test after which a rank left the launch on purpose
             while any(p.is_alive() for p in processes) or not results.empty():
                 try:
                     kind, index, rank, payload = results.get(timeout=1)
@@ -189,8 +191,9 @@ def run(tests: list[Case], world_size: int, timeout: float = LAUNCH_TIMEOUT) -> 
                     continue
                 if kind == "start":
                     running[rank] = index
-                elif kind == "pass":
+                elif kind in ("pass", "left"):
                     launch[tests[index].nodeid].passed.add(rank)
+                    left = min(left, index) if kind == "left" else left
                 else:
                     launch[tests[index].nodeid].failures[rank] = payload
             for process in processes:
@@ -206,11 +209,11 @@ def run(tests: list[Case], world_size: int, timeout: float = LAUNCH_TIMEOUT) -> 
             failed = [i for i, test in enumerate(tests) if launch[test.nodeid].failures]
             first = min(failed, key=lambda i: min(t for t, *_ in launch[tests[i].nodeid].failures.values()),
                         default=None)
-            done = len(tests) if first is None else first + 1
+            done = min(len(tests) if first is None else first + 1, left + 1)
             for test in tests[:done]:
                 outcome = launch[test.nodeid]
                 missing = set(range(world_size)) - outcome.passed - set(outcome.failures)
-                for rank in missing:  # a rank that left the launch early on purpose (SystemExit) ran no more
+                for rank in missing:
                     outcome.failures[rank] = (time.time(), None, "not run", f"rank {rank} never ran this test\n")
                 outcomes[test.nodeid] = outcome
             if time.monotonic() > deadline:
@@ -242,10 +245,12 @@ def _worker(rank, world_size, port, tests, results, root):
         results.put(("start", index, rank, None))
         os.environ["DISTRIBUTED_TEST_NAME"] = re.sub(r"[^\w.-]+", "_", test.nodeid.rsplit("/", 1)[-1])
         try:
+            body = getattr(_import(test.module, test.path), test.function)
+            dist.barrier()  # every test starts on all ranks together (some set collective timeouts of seconds)
             torch.manual_seed(0)  # as tests/conftest.py's autouse fixture
-            getattr(_import(test.module, test.path), test.function)(**test.params)
-        except SystemExit:  # this rank leaves the launch on purpose (a test of a dead peer)
-            results.put(("pass", index, rank, None))
+            body(**test.params)
+        except SystemExit:  # this rank leaves the launch on purpose (a test of a dead peer): the tests after it
+            results.put(("left", index, rank, None))  # run in a new launch
             break
         except BaseException as e:  # noqa: BLE001  (pytest.skip / pytest.fail raise BaseExceptions)
             try:

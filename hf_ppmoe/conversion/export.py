@@ -487,6 +487,7 @@ def export_moe(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         progress=progress,
+        conversion="export",
     )
 
 

@@ -108,6 +108,7 @@ class Checkpoint:
     tensors: TensorSource
     folder: Path | None = None
     model: torch.nn.Module | None = None
+    source: str | None = None  # the folder or Hub id as given (for the model card's base_model)
 
 
 def read_config_dict(folder: Path) -> dict:
@@ -156,7 +157,7 @@ def open_checkpoint(src, config_loader: Callable[[Path], object]) -> Checkpoint:
         return Checkpoint(src.config, model_tensors(src), model=src)
     folder = resolve_folder(src)
     config = config_loader(folder)
-    return Checkpoint(config, SafetensorsSource(folder), folder=folder)
+    return Checkpoint(config, SafetensorsSource(folder), folder=folder, source=str(src))
 
 
 def parse_size(size: int | str) -> int:

@@ -155,6 +155,7 @@ def merge_experts(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         progress=progress,
+        conversion="merge",
         tokenizer=tokenizer if checkpoint.folder is None else None,
     )
 

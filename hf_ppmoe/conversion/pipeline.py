@@ -10,6 +10,7 @@ import torch
 
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import write_checksums
+from ..utils.model_card import conversion_card, write_card
 from .io import Checkpoint, carry_side_files, model_tensors, write_safetensors
 from .mapping import ConversionError, MappedSource, TensorSource, shape_str
 
@@ -72,18 +73,20 @@ def deliver(
     overwrite: bool = False,
     progress: bool = False,
     tokenizer=None,
+    conversion: str,
 ):
     """Write the converted checkpoint into `save_directory` (returned as a Path), or, without one, load and return the
-    converted model (written to a temporary folder first, so both paths are the same code)."""
+    converted model (written to a temporary folder first, so both paths are the same code). conversion: what was
+    done (upcycle, import, merge, export), for the model card."""
     plan = plan_tensors(tensors, expected_tensors(model_class, config))
     if save_directory is None:
         with tempfile.TemporaryDirectory(prefix="hf-ppmoe-convert-") as tmp:
-            folder = _write(Path(tmp) / "model", plan, tensors, config, model_class, checkpoint, max_shard_size, False, False, tokenizer)
+            folder = _write(Path(tmp) / "model", plan, tensors, config, model_class, checkpoint, max_shard_size, False, False, tokenizer, conversion)
             return model_class.from_pretrained(folder).eval()
-    return _write(Path(save_directory), plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer)
+    return _write(Path(save_directory), plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer, conversion)
 
 
-def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer) -> Path:
+def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer, conversion) -> Path:
     from ..modeling.common import MoEPreTrainedModel, add_remote_code, write_custom_generate
 
     config.architectures = [model_class.__name__]
@@ -95,4 +98,5 @@ def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_siz
             add_remote_code(folder, model_class, config)
             write_custom_generate(folder)
         config.save_pretrained(folder)
+        write_card(folder, conversion_card(conversion, config, model_class, checkpoint, folder, target.name))
     return target

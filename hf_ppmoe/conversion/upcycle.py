@@ -370,6 +370,7 @@ def upcycle(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         progress=progress,
+        conversion="upcycle",
         tokenizer=tokenizer,
     )
 
@@ -406,6 +407,7 @@ def import_moe(
         max_shard_size=max_shard_size,
         overwrite=overwrite,
         progress=progress,
+        conversion="import",
     )
 
 

@@ -121,7 +121,8 @@ class Experts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # exactly these three positional arguments: Transformers' expert-parallel wrapper calls it this way too
-        return EXPERTS_FUNCTIONS[self.implementation(hidden_states, expert_ids)](self, hidden_states, expert_ids, weights)
+        implementation = EXPERTS_FUNCTIONS[self.implementation(hidden_states, expert_ids)]
+        return implementation(self, hidden_states, expert_ids, weights)
 
     def implementation(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor) -> str:
         """The name in `EXPERTS_FUNCTIONS` that runs this call. `dispatch="index"`: the capability table's choice

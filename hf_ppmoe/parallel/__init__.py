@@ -8,7 +8,9 @@ imports torch.distributed).
     fully_shard_model(model, mesh)          FSDP2 over mesh's fsdp ranks (HSDP with dp replicas), after the above
     parallelize(model, mesh["tp"], ep=expert_mesh(mesh, 4).ep)   experts over 4 ranks (> tp): all-to-all
 
-`hf_ppmoe.parallel.megatron_plugin` (imported on its own) is the Megatron-LM backend through Accelerate.
+`print(model)` afterwards shows the modules each style changed (`PPMoELayer`, `ExpertParallelExperts`,
+`TensorParallelLinear`, ...: modules.py). `hf_ppmoe.parallel.megatron_plugin` (imported on its own) is the Megatron-LM
+backend through Accelerate.
 
 Transformers' own entry points use the same rules: `from_pretrained(path, distributed_config=DistributedConfig(
 tp_size=N))` (PPMoE from the tensor-parallel plan) or `DistributedConfig(tp_size=N, ep_size=N,

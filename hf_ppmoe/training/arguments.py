@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .data import data_files
+
 
 @dataclass
 class TrainArguments:
@@ -21,14 +23,27 @@ class TrainArguments:
     expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
 
-    # ---- data: text/JSON-lines files, a cached `datasets` dataset, or the built-in corpus
-    train_file: list[str] | None = field(default=None, metadata={"help": ".txt (one document per blank-line block) or .jsonl files."})
-    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: 5%% of train)."})
-    dataset_name: str | None = field(default=None, metadata={"help": "A `datasets` dataset, read from the local cache."})
+    # ---- data (blocks.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
+    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet."})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train)."})
+    validation_split_percentage: int = field(default=5, metadata={"help": "Without --validation_file: the last N%% of the training blocks (with --streaming: the documents whose CRC-32 %% 100 < N) are held out."})
+    dataset_name: str | None = field(default=None, metadata={"help": "A folder written by Dataset.save_to_disk, or a `datasets` dataset name (the local cache; streamed from the Hub with --streaming)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     text_column: str = field(default="text", metadata={"help": "Field holding the text (jsonl / datasets)."})
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training sequence."})
+    streaming: bool = field(default=False, metadata={"help": "Pack the documents on the fly (corpora larger than RAM or disk) instead of preparing them into the cache; each data-parallel rank reads its own part, and the stream position is saved in every checkpoint."})
+    shuffle_buffer_size: int = field(default=1000, metadata={"help": "--streaming: blocks drawn at random from a buffer of this many."})
+    data_cache_dir: str | None = field(default=None, metadata={"help": "Where prepared blocks are cached (default: HF_DATASETS_CACHE/hf_ppmoe_blocks)."})
+    # ---- seq2seq data (a Seq2Seq-MoE / encoder-decoder model; none given: the built-in standard-library task)
+    source_column: str = field(default="source", metadata={"help": "Seq2seq: the column of the source texts (jsonl / csv / parquet / datasets)."})
+    target_column: str = field(default="target", metadata={"help": "Seq2seq: the column of the target texts."})
+    source_lang: str | None = field(default=None, metadata={"help": "Seq2seq translation records ({'translation': {lang: text}}): source language."})
+    target_lang: str | None = field(default=None, metadata={"help": "Seq2seq translation records: target language."})
+    max_source_length: int = field(default=256, metadata={"help": "Seq2seq: source tokens kept (EOS included)."})
+    max_target_length: int = field(default=64, metadata={"help": "Seq2seq: target tokens kept (EOS included); also the generation limit."})
+    generation_num_beams: int = field(default=4, metadata={"help": "Seq2seq: beams of the flat beam search that generates for chrF / BLEU."})
+    generation_eval_pairs: int = field(default=64, metadata={"help": "Seq2seq: validation pairs generated for chrF / BLEU at the end (0: all)."})
 
     # ---- optimisation
     output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model."})
@@ -81,15 +96,15 @@ class TrainArguments:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"--{name} {path} does not exist; pass a JSON file written by config.save_pretrained.")
-        for path in [*(self.train_file or []), *(self.validation_file or [])]:
-            if not Path(path).is_file():
-                raise ValueError(f"Data file {path} does not exist.")
-            if Path(path).suffix not in (".txt", ".jsonl", ".json"):
-                raise ValueError(f"Data file {path}: use .txt or .jsonl (one JSON object with a '{self.text_column}' field per line).")
+        for files in (self.train_file, self.validation_file):
+            if files:
+                data_files(files)
         if self.train_file and self.dataset_name:
             raise ValueError("Give either --train_file or --dataset_name, not both.")
-        positive = ("max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size",
-                    "fsdp_size", "eval_steps", "logging_steps")
+        if not 0 <= self.validation_split_percentage < 100:
+            raise ValueError(f"--validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}.")
+        positive = ("shuffle_buffer_size", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size",
+                    "fsdp_size", "eval_steps", "logging_steps", "max_source_length", "max_target_length", "generation_num_beams")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
@@ -168,6 +183,13 @@ class TrainArguments:
                 "(learned positions); lower --block_size."
             )
         experts = getattr(config, "num_experts", None)
+        if self.pp_size > 1 and getattr(config, "is_encoder_decoder", False):
+            raise ValueError(
+                f"--pp_size {self.pp_size}: the training loop's pipeline schedule sends one stream of token blocks "
+                "through the stages (a decoder); an encoder-decoder's pairs of two lengths, whose encoder output every "
+                "decoder stage needs, are not scheduled. Train Seq2Seq-MoE with --tp_size (PPMoE experts) and/or "
+                "--fsdp_size instead."
+            )
         if self.pp_size > 1 and not experts:
             raise ValueError(
                 f"--pp_size {self.pp_size} cuts the model into stages with hf_ppmoe.parallel.Pipeline, which knows our "

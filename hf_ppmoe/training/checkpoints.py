@@ -6,7 +6,8 @@ Every checkpoint's `trainer_state.json` (written last, when the checkpoint is co
     run_id        the run it belongs to: a fresh run draws one, a resumed run keeps its checkpoint's
     arguments     the run's TrainArguments, as JSON
     model_config  the model's config (the fields that decide its computation)
-    data          the training data's fingerprint (for packed blocks: their sha256, i.e. data, tokenization, block size)
+    data          the training data's fingerprint (blocks.py: prepared, the blocks' sha256; streamed, that of the
+                  source, tokenizer, block size and shuffle buffer)
     num_processes the processes that wrote it (each has its own RNG state, and with --tp_size / --pp_size its shards)
     changes       settings changed on earlier resumes with --allow_resume_changes, and at which step
     files         the size of every file in the checkpoint
@@ -38,7 +39,7 @@ STATE_FILE = "trainer_state.json"
 MAY_CHANGE_ON_RESUME = frozenset(
     """model_name_or_path config_name upcycle_from num_experts num_experts_per_tok router_type router_init
     expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
-    text_column output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
+    text_column data_cache_dir output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
     push_to_hub hub_model_id allow_resume_changes""".split()
 )
 LAYOUT = ("tp_size", "pp_size")  # with num_processes: how the checkpoint's states are split; never changed on resume

@@ -57,11 +57,14 @@ class DemoArguments:
     seed: int = field(default=0, metadata={"help": "Random seed."})
     evaluations: int = field(default=5, metadata={"help": "Held-out evaluations per training run (evenly spaced, the last at its end)."})
     quick: bool = field(default=False, metadata={"help": "Tiny models and a few steps: every stage in seconds (a check, not a result)."})
+    seq2seq: bool = field(default=False, metadata={"help": "The seq2seq demo instead: MoE vs dense Seq2Seq models trained on "
+                                                   "the standard library's functions -> docstrings (steps: --finetune_steps)."})
+    eval_pairs: int = field(default=100, metadata={"help": "--seq2seq: held-out pairs generated for chrF / BLEU."})
 
     def __post_init__(self):
         """Refuse sizes that cannot work, naming the flag (before anything is trained)."""
         for name in ("dense_steps", "finetune_steps", "seeds", "batch_size", "hidden_size", "num_layers", "num_experts",
-                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations"):
+                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations", "eval_pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if self.block_size < 8:
@@ -79,7 +82,7 @@ class DemoArguments:
 
 
 QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2,
-             num_experts=4, num_beams=2, evaluations=2)
+             num_experts=4, num_beams=2, evaluations=2, eval_pairs=4)
 
 
 def _train(args: DemoArguments, root: Path, out: str, steps: int, seed: int, logging_steps: int, **model) -> dict:
@@ -170,6 +173,10 @@ def _millions(n: int) -> str:
 def run_demo(args: DemoArguments) -> Path:
     if args.quick:
         args = dataclasses.replace(args, **QUICK)
+    if args.seq2seq:
+        from .demo_seq2seq import run_seq2seq_demo
+
+        return run_seq2seq_demo(args)
     root = Path(args.output_dir)
     root.mkdir(parents=True, exist_ok=True)
     start, load = time.perf_counter(), os.getloadavg()
@@ -243,7 +250,8 @@ def run_demo(args: DemoArguments) -> Path:
     print(f"[5/7] generating with flat beam search ({args.num_beams} beams)")
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     new_tokens = min(30, args.block_size - prompt.shape[1])  # the model has block_size positions
-    kw = dict(num_beams=args.num_beams, max_new_tokens=new_tokens, repetition_penalty=1.3,
+    # no 3 tokens twice: the continuation cannot loop (a penalty on repeated tokens alone let it emit 29 newlines)
+    kw = dict(num_beams=args.num_beams, max_new_tokens=new_tokens, no_repeat_ngram_size=3, min_new_tokens=new_tokens,
               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     flat = moe.generate(prompt, custom_generate=flat_beam_search, **kw)
     same = torch.equal(flat, moe.generate(prompt, **kw))
@@ -343,7 +351,7 @@ parameters, has seen the training set {epochs:.2g} times ({args.dense_steps + ar
 held-out perplexity is {perplexity:.0f} (exp of {results['moe'][0]:.4f}): on average it is as unsure of the next token
 as a uniform choice among {perplexity:.0f}. That is enough to pick up frequent words, markup and code fragments of the
 corpus, not to follow a thought, and beam search, which returns the most probable continuation, tends to favour generic
-and repeated phrases (repetition_penalty=1.3 keeps it from looping).
+and repeated phrases; no_repeat_ngram_size=3 (no three tokens twice) keeps it from looping.
 
 ## Merging back into GPT-2
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from .. import parallel
 from ..parallel import Pipeline, batch_mesh, expert_mesh, fully_shard_model, make_mesh, parallelize
@@ -134,6 +134,6 @@ def gather_model(model, dp: DataParallel, pipe: Pipeline | None = None):
         state = {name: tensor for stage in stages for name, tensor in stage.items()}
     config = copy.copy(base.config)
     config.distributed_config = None  # set by tensor parallelism: save_pretrained would wait for the other ranks
-    whole = AutoModelForCausalLM.from_config(config)
+    whole = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
     whole.load_state_dict(state)
     return whole

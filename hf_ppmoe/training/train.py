@@ -37,35 +37,36 @@ from accelerate.utils import broadcast_object_list, set_seed
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, get_scheduler
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..modeling.common import router_loss_weight
 from ..moe.losses import router_loss
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
+from ..utils.model_card import training_card, write_card
 from .arguments import TrainArguments
-from .blocks import PackedBlocks
+from .blocks import load_data
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
-from .data import builtin_corpus, pack, read_dataset, read_text_files, train_tokenizer
+from .data import Source, train_tokenizer
+from .pairs import generation_metrics, load_pairs, pair_data
 from .parallel_setup import DataParallel, clip_grad_norm_, gather_model, split_model
 from .tracking import JSONLinesTracker, RouterMonitor, plot_training
 
-def load_texts(args: TrainArguments) -> tuple[list[str], list[str] | None]:
-    if args.train_file:
-        train = read_text_files(args.train_file, args.text_column)
-    elif args.dataset_name:
-        train = read_dataset(args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
-    else:
-        train = builtin_corpus()
-    validation = read_text_files(args.validation_file, args.text_column) if args.validation_file else None
-    if not train:
-        raise ValueError("The training data has no documents.")
-    return train, validation
+TOKENIZER_TRAINING_CHARACTERS = 20_000_000  # a tokenizer trained for a model from scratch reads this much text
 
 
-def load_tokenizer(args: TrainArguments, texts: list[str]):
+def is_seq2seq(args: TrainArguments) -> bool:
+    """Whether the model to train is an encoder-decoder (then the data are (source, target) pairs: pairs.py)."""
+    source = args.model_name_or_path or args.config_name or args.upcycle_from
+    return bool(source) and bool(getattr(AutoConfig.from_pretrained(source), "is_encoder_decoder", False))
+
+
+def load_tokenizer(args: TrainArguments, texts=None):
+    """The model's (or --tokenizer_name's) tokenizer; for a model trained from scratch a BPE tokenizer fitted to
+    `texts`, by default the first documents of the training data."""
     source = args.tokenizer_name or args.model_name_or_path or args.upcycle_from
     if source:
         try:
@@ -73,14 +74,29 @@ def load_tokenizer(args: TrainArguments, texts: list[str]):
         except (OSError, ValueError):
             if args.tokenizer_name:
                 raise
-    return train_tokenizer(texts)  # a model trained from scratch gets a BPE tokenizer fitted to its data
+    if texts is not None:
+        return train_tokenizer(texts)
+    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+
+    def documents():
+        characters = 0
+        for batch in train.texts():
+            for text in batch:
+                yield text
+                characters += len(text)
+                if characters >= TOKENIZER_TRAINING_CHARACTERS:
+                    return
+
+    return train_tokenizer(documents())
 
 
 def build_model(args: TrainArguments, tokenizer):
     """Our GPT-MoE (loaded, from a config, upcycled, or the default small one), or any Transformers causal LM (a
     dense baseline trained by the same script; it simply has no router metrics)."""
+    seq2seq = is_seq2seq(args)
+    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
     if args.model_name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
+        model = auto.from_pretrained(args.model_name_or_path)
     elif args.upcycle_from:
         from ..conversion import upcycle
 
@@ -93,11 +109,13 @@ def build_model(args: TrainArguments, tokenizer):
             noise_std=args.expert_noise_std,
             seed=args.seed,
         )
-    elif args.config_name:  # any causal-LM config.json (model_type decides the class), with the tokenizer's ids
+    elif args.config_name:  # any causal-LM or seq2seq config.json (model_type decides the class), the tokenizer's ids
         config = AutoConfig.from_pretrained(args.config_name)
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             setattr(config, name, getattr(tokenizer, name))
-        model = AutoModelForCausalLM.from_config(config)
+        if seq2seq:
+            config.decoder_start_token_id = tokenizer.pad_token_id  # T5's convention
+        model = auto.from_config(config)
     else:
         model = GPTMoEForCausalLM(
             GPTMoEConfig(
@@ -107,31 +125,12 @@ def build_model(args: TrainArguments, tokenizer):
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
             )
         )
-    if getattr(model.config, "is_encoder_decoder", False):
-        raise ValueError(
-            f"{type(model).__name__} is an encoder-decoder; this script trains causal LMs on packed text. Fine-tune "
-            "Seq2Seq-MoE with transformers' Seq2SeqTrainer on (source, target) pairs."
-        )
     if len(tokenizer) > model.config.vocab_size:
         raise ValueError(
             f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
             "use the model's own tokenizer (--tokenizer_name) or resize the embeddings first."
         )
     return model
-
-
-def prepare_data(args: TrainArguments, tokenizer, texts: list[str], validation: list[str] | None, dp: DataParallel):
-    """The batches of this data-parallel process (`blocks.PackedBlocks`); 5% of the blocks held out for validation
-    when no validation file is given."""
-    blocks = pack(texts, tokenizer, args.block_size)
-    if validation is not None:
-        val_blocks = pack(validation, tokenizer, args.block_size)
-    else:
-        n_val = max(1, len(blocks) // 20)
-        blocks, val_blocks = blocks[:-n_val], blocks[-n_val:]
-    if len(blocks) == 0:
-        raise ValueError(f"Not enough training text for one block of {args.block_size} tokens after holding out validation.")
-    return PackedBlocks(blocks, val_blocks, args, dp.rank, dp.size)
 
 
 def accelerate_fsdp_request(args: TrainArguments, world_size: int) -> str | None:
@@ -221,12 +220,21 @@ def setup(args: TrainArguments) -> Run:
         accelerator.print(fsdp_note)
     set_seed(args.seed)
 
-    train_texts, val_texts = load_texts(args)
-    tokenizer = load_tokenizer(args, train_texts)
+    seq2seq = is_seq2seq(args)
+    if seq2seq:  # (source, target) pairs: pairs.py
+        train_pairs, val_pairs = load_pairs(args)
+        tokenizer = load_tokenizer(args, [*train_pairs["source"], *train_pairs["target"]])
+    else:
+        tokenizer = load_tokenizer(args)
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
-    data = prepare_data(args, tokenizer, train_texts, val_texts, dp)
+    clock = time.perf_counter()
+    if seq2seq:
+        data = pair_data(args, tokenizer, train_pairs, val_pairs, dp)
+    else:  # prepared once per node (the other processes map the same cache entry), or streamed: see blocks.py
+        data = load_data(args, tokenizer, dp.rank, dp.size, accelerator.local_main_process_first)
+    accelerator.print(f"data: {data}, ready in {time.perf_counter() - clock:.1f} s")
     check_processes_agree(args, model)
     # a resumed run keeps its checkpoint's run id (the main process's id is the one written)
     record = run_record(args, model.config, data.fingerprint, accelerator.num_processes,
@@ -251,7 +259,7 @@ def setup(args: TrainArguments) -> Run:
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
     run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, pipe,
-              sharded, changes=changes)
+              sharded=sharded, changes=changes)  # by name: no_target is the field after pipe
     if checkpoint is not None:
         load_checkpoint(run, checkpoint)
         run.start_step = resume_step
@@ -268,13 +276,14 @@ def forward_backward_step(run: Run, batch: dict) -> torch.Tensor:
     batch = {name: tensor.to(run.device) for name, tensor in batch.items()}
     targets = batch["labels"] if run.config.is_encoder_decoder else batch["labels"][:, 1:]
     run.no_target += ~(targets != -100).any()
+    weight = router_loss_weight(targets, batch.get("num_items_in_batch"))  # the model's weight of its router term
     with run.accelerator.autocast():
         out = run.model(**batch)
     run.accelerator.backward(out.loss)
     aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
     aux = aux.detach() if aux is not None else torch.zeros((), device=run.device)
     z = z.detach() if z is not None else torch.zeros((), device=run.device)
-    lm = out.loss.detach() - router_loss(run.config, aux, z)
+    lm = out.loss.detach() - weight * router_loss(run.config, aux, z)
     return torch.stack([lm, aux, z])
 
 
@@ -320,14 +329,18 @@ def evaluate(run: Run) -> dict:
         rounds = -(-total_batches // dp.size)
     total = torch.zeros(2, device=run.device)
     for r in range(rounds):
-        batch = mine[r] if r < len(mine) else (mine or [run.data.batch(0, 0)])[0]  # extra forwards are not counted
+        batch = mine[r] if r < len(mine) else (mine or [spare_batch(run)])[0]  # extra forwards are not counted
         input_ids, labels = batch["input_ids"].to(run.device), batch["labels"].to(run.device)
         with run.accelerator.autocast():
-            logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
+            if run.config.is_encoder_decoder:  # the decoder reads the labels shifted right
+                logits = forward(input_ids, attention_mask=batch["attention_mask"].to(run.device), labels=labels).logits
+            else:
+                logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
         if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
             continue
         logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
-        logits, labels = logits[:, :-1], labels[:, 1:]
+        if not run.config.is_encoder_decoder:
+            logits, labels = logits[:, :-1], labels[:, 1:]
         total[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
         total[1] += (labels != -100).sum()
     if pipe is not None:
@@ -336,6 +349,12 @@ def evaluate(run: Run) -> dict:
     model.train()
     loss = (total[0] / total[1].clamp(min=1)).item()
     return {"eval/loss": loss, "eval/perplexity": math.exp(min(loss, 50.0))}
+
+
+def spare_batch(run: Run) -> dict:
+    """A batch of the training shape for forwards that are not counted (not read from the data: a stream would move)."""
+    ids = torch.zeros(run.args.per_device_train_batch_size, run.args.block_size, dtype=torch.long)
+    return {"input_ids": ids, "labels": ids}
 
 
 def log_metrics(run: Run, done: int, interval: torch.Tensor, steps: int, grad_norm, seconds: float) -> dict:
@@ -350,7 +369,8 @@ def log_metrics(run: Run, done: int, interval: torch.Tensor, steps: int, grad_no
     no_target = int(dp.reduce(run.no_target))
     run.no_target.zero_()
     args = run.args
-    tokens = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * args.block_size * steps
+    per_row = getattr(run.data, "tokens_per_row", args.block_size)  # pairs: their mean source + target length
+    tokens = args.per_device_train_batch_size * dp.size * args.gradient_accumulation_steps * per_row * steps
     metrics = {
         "train/lm_loss": lm, "train/aux_loss": aux, "train/z_loss": z, "train/grad_norm": grad_norm.item(),
         "train/lr": run.scheduler.get_last_lr()[0], "train/tokens_per_second": tokens / seconds,
@@ -408,19 +428,36 @@ def train(args: TrainArguments) -> dict:
         if save_now:
             save_checkpoint(accelerator, args, done, run.record, run.sharded, run.data)
         clock += time.perf_counter() - paused
-    finish(run)
+    finish(run, eval_metrics)
     if eval_metrics:
         accelerator.print(
             f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
             f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out data, router losses excluded)"
+            + (f"; chrF {eval_metrics['eval/chrf']:.2f}, BLEU {eval_metrics['eval/bleu']:.2f} (flat beam search)"
+               if "eval/chrf" in eval_metrics else "")
         )
     output_dir = Path(args.output_dir)
     accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
 
-def finish(run: Run) -> None:
-    """The final model (gathered whole from a split one) and tokenizer in output_dir, plots, and the Hub push."""
+def generate_and_score(model, run: Run) -> dict:
+    """chrF and BLEU of the final model's outputs (GShard flat beam search) for the first generation_eval_pairs
+    validation pairs, and a few of them as samples (logs/samples.jsonl)."""
+    args, pairs = run.args, run.data.validation_pairs
+    pairs = pairs.select(range(min(args.generation_eval_pairs or len(pairs), len(pairs))))
+    scores, outputs = generation_metrics(model, run.tokenizer, pairs, num_beams=args.generation_num_beams,
+                                         max_new_tokens=args.max_target_length, max_source_length=args.max_source_length,
+                                         batch_size=args.per_device_train_batch_size)
+    with open(Path(args.output_dir, "logs", "samples.jsonl"), "w") as f:
+        for pair, output in list(zip(pairs, outputs))[:8]:
+            f.write(json.dumps({"source": pair["source"], "target": pair["target"], "generated": output}) + "\n")
+    return scores
+
+
+def finish(run: Run, evaluation: dict) -> None:
+    """The final model (gathered whole from a split one), tokenizer and model card (with the last `evaluation`) in
+    output_dir, plots, and the Hub push."""
     accelerator, args, output_dir = run.accelerator, run.args, Path(run.args.output_dir)
     accelerator.wait_for_everyone()
     run.monitor.remove()
@@ -433,11 +470,18 @@ def finish(run: Run) -> None:
         unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
     if accelerator.is_main_process:
         run.tokenizer.save_pretrained(output_dir)
+        if unwrapped.config.is_encoder_decoder:  # chrF / BLEU of flat-beam-search outputs, on the whole final model
+            evaluation.update(generate_and_score(unwrapped, run))
+            accelerator.log(evaluation, step=args.max_steps)
+        write_card(output_dir, training_card(
+            unwrapped, name=output_dir.resolve().name, source=args.model_name_or_path or args.upcycle_from,
+            datasets=[args.dataset_name], evaluation=evaluation,
+        ))
         if args.plots:
             plot_training(output_dir / "logs" / "metrics.jsonl", output_dir / "plots")
     accelerator.end_training()
     if args.push_to_hub and accelerator.is_main_process:
-        push(unwrapped, run.tokenizer, args)
+        push(args)
 
 
 main = train  # the package's entry point name
@@ -494,11 +538,15 @@ def load_checkpoint(run: Run, checkpoint: Path) -> None:
         run.data.load_state_dict(torch.load(position, weights_only=True))
 
 
-def push(model, tokenizer, args: TrainArguments) -> None:
+def push(args: TrainArguments) -> None:
+    """Upload the output folder as it was saved (model, tokenizer, model card, logs and plots; not the checkpoints)."""
+    from huggingface_hub import HfApi
+
     repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
     try:
-        model.push_to_hub(repo_id)
-        tokenizer.push_to_hub(repo_id)
+        api = HfApi()
+        repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
+        api.upload_folder(repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoints/*", ".*"])
     except Exception as error:  # network, authentication, offline mode: say what to do
         raise RuntimeError(
             f"Pushing to the Hub repository {repo_id!r} failed ({type(error).__name__}: {error}). The trained model is "

@@ -51,3 +51,20 @@ def test_mfu_counts_attention_and_looks_up_the_card(gpu):
     assert gpu.peak_bf16_tflops("NVIDIA L4") == 121.0
     assert gpu.peak_bf16_tflops("NVIDIA L40S") == 362.0
     assert gpu.peak_bf16_tflops("NVIDIA GeForce RTX 4090") is None
+
+
+def test_layer_section_skips_a_case_that_cannot_fit_and_measures_the_rest(gpu):
+    """The real section on CPU at toy sizes, with a 'card' just too small for batched_mm's weight copies."""
+    import argparse
+
+    import torch
+
+    args = argparse.Namespace(tokens=64, hidden=32, inner=16, experts=[4], topk=[2], rounds=1)
+    args.memory = gpu.estimate_layer("qwen3-batched_mm", 64, 32, 16, 4, 2) / gpu.USABLE - 1
+    lines = gpu.layer_section(args, torch.device("cpu"), torch.bfloat16, gpu.Timer(torch.device("cpu")))
+    rows = [line.strip("| ").split(" | ") for line in lines[4:]]
+    assert [row[2] for row in rows] == ["train", "forward"]
+    for row in rows:
+        ours, grouped, batched = row[4:]
+        assert ours.endswith("x") and grouped.endswith("x"), row
+        assert batched.startswith("skipped: needs"), row

@@ -16,6 +16,7 @@ def make_gate(router_type, *, num_experts, top_k, eye=True, **overrides):
         hidden_size=num_experts if eye else 32,
         num_attention_heads=1,
         num_key_value_heads=1,
+        position_embedding_type="learned",  # hidden_size may be odd here; only the gate is built
         num_experts=num_experts,
         num_experts_per_tok=top_k,
         router_type=router_type,

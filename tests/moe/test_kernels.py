@@ -35,8 +35,9 @@ def test_capability_table_rows():
         row = capability("cuda", sm, dtype, False, True, 512, 1024, True)
         assert (row.implementation, row.syncs) == ("index_loop", True), (sm, dtype)
         assert choose("cuda", dtype, grad=False, tokens=32, sm=sm) == "all_experts"
-        assert choose("cuda", dtype, compiled=True, grad=False, tokens=4096, sm=sm) == "all_experts"
-        assert choose("cuda", dtype, grad=False, tokens=4096, sm=sm) == "index_loop"
+        assert choose("cuda", dtype, compiled=True, grad=False, tokens=1024, sm=sm) == "all_experts"
+        assert choose("cuda", dtype, grad=False, tokens=65, sm=sm) == "index_loop"
+        assert choose("cuda", dtype, compiled=True, grad=False, tokens=1025, sm=sm) == "index_loop"
     # sizes off the 16-byte rule never reach the kernel
     assert choose("cuda", bf16, sm=(9, 0), aligned=False) == "index_loop"
     assert choose("cpu", fp32, aligned=False) == "index_loop"
@@ -151,3 +152,21 @@ def test_transformers_grouped_mm_dispatch_falls_back_instead_of_crashing(hidden,
         torch.testing.assert_close(y, y_ref)
     kernel = kernels_module.aligned(dtype, hidden, inner) and dtype != torch.float64
     assert (layer.experts.implementation(x, torch.zeros(10, 2, dtype=torch.long)) == "grouped_mm") == kernel
+
+
+def test_experts_run_what_the_registry_holds_under_the_name_they_resolve(monkeypatch):
+    """`Experts.forward` is one registry lookup: the name `implementation` resolves (the decoding shortcut included)
+    and any function registered under a name, ours or Transformers'."""
+    layer = MoELayer(tiny_gpt_config()).eval()
+    x, ids = torch.randn(1, 32), torch.tensor([[0, 3]])
+    with torch.no_grad():
+        assert layer.experts.implementation(x, ids) == "cpu_decode"
+        assert layer.experts.implementation(torch.randn(5, 32), ids.expand(5, 2)) == "index_kernel"
+    assert layer.experts.implementation(x, ids) == "index_kernel"
+    calls = []
+    monkeypatch.setitem(EXPERTS_FUNCTIONS, "mine", lambda experts, *args: calls.append(args) or args[0])
+    layer.experts.dispatch = "mine"
+    y, _ = layer(x)
+    assert len(calls) == 1 and torch.equal(y, x)
+    layer.experts.dispatch = "batched_mm"  # Transformers' own, through the same registry
+    assert layer.experts.implementation(x, ids) == "batched_mm" and "batched_mm" in EXPERTS_FUNCTIONS

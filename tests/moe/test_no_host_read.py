@@ -52,7 +52,8 @@ def build(family, gate, dtype):
         if family == "gpt":
             model = GPTMoEForCausalLM(tiny_gpt_config(**SIZES, **GATES[gate]))
         elif family == "gpt2-style":
-            model = GPTMoEForCausalLM(tiny_gpt_config(**SIZES, **{**GPT2_STYLE, "num_key_value_heads": 4}, **GATES[gate]))
+            config = tiny_gpt_config(**SIZES, **{**GPT2_STYLE, "num_key_value_heads": 4}, **GATES[gate])
+            model = GPTMoEForCausalLM(config)
         else:
             model = Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config(**SIZES, **GATES[gate]))
     return model.to(dtype)
@@ -101,7 +102,7 @@ def test_decoding_step_on_meta_reads_nothing_on_the_host(family, dtype, no_eager
 
 def test_compiled_decoding_of_many_tokens_reads_nothing_on_the_host(implementations):
     """Under torch.compile (where Transformers captures decoding in a CUDA graph) a no-gradient call takes
-    `all_experts` whatever the batch, where eager mode takes the host-read loop beyond 64 tokens."""
+    `all_experts` for decoding batches up to 1024 tokens, where eager mode takes the host-read loop beyond 64."""
     layer = MoELayer(tiny_gpt_config(**SIZES, **GATES["topk-capacity"])).to("meta").eval()
     x = torch.empty(100, 64, device="meta")
     with torch.no_grad():

@@ -13,6 +13,7 @@ from accelerate.utils import MegatronLMPlugin
 from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe.moe.losses import router_loss
 from hf_ppmoe.parallel.megatron_plugin import (
     megatron_batch,
     megatron_incompatibilities,
@@ -119,9 +120,7 @@ def test_megatron_batch_gives_the_transformers_loss():
         tokens, mlabels, loss_mask, mask, position_ids = megatron_batch(batch)
         per_position = F.cross_entropy(out.logits.transpose(1, 2), mlabels, reduction="none")
         lm_loss = (per_position * loss_mask).sum() / loss_mask.sum()
-        expected = (
-            out.loss - model.config.router_aux_loss_coef * out.aux_loss - model.config.router_z_loss_coef * out.z_loss
-        )
+        expected = out.loss - router_loss(model.config, out.aux_loss, out.z_loss)
         if "labels" not in batch:  # targets from input_ids: only padding is ignored
             shifted = ids.masked_fill(attention_mask == 0, -100)[:, 1:]
             expected = F.cross_entropy(out.logits[:, :-1].transpose(1, 2), shifted, ignore_index=-100)

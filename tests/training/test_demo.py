@@ -103,3 +103,19 @@ def test_verdict_claims_only_what_the_seeds_support():
 def test_impossible_sizes_are_refused_by_name(flags, named):
     with pytest.raises(ValueError, match=named):
         DemoArguments(**flags)
+
+
+def test_generation_sample_does_not_loop(demo):
+    """The report's sample (flat beam search from the prompt) repeats no 3 tokens and is more than whitespace: it used
+    to be the prompt and 29 newlines while the report said a repetition penalty kept it from looping."""
+    import ast
+
+    from hf_ppmoe.training.demo import PROMPT
+
+    out, report = demo
+    text = ast.literal_eval(re.search(r"> ('.*?'|\".*?\") Identical", report)[1])
+    continuation = text[len(PROMPT):]
+    assert text.startswith(PROMPT) and continuation.strip()
+    ids = AutoTokenizer.from_pretrained(out / "tokenizer")(continuation)["input_ids"]
+    trigrams = [tuple(ids[i : i + 3]) for i in range(len(ids) - 2)]
+    assert len(trigrams) > 3 and len(set(trigrams)) == len(trigrams)

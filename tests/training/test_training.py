@@ -390,7 +390,11 @@ def test_outputs_logs_and_plots(corpus, tmp_path):
 
 
 def test_jsonl_and_datasets_sources(tmp_path):
-    from hf_ppmoe.training.train import load_texts
+    from hf_ppmoe.training.data import Source
+
+    def load_texts(args):
+        source = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+        return [text for batch in source.texts() for text in batch], None
 
     rows = [{"text": t} for t in builtin_corpus()[:3]]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
