@@ -147,13 +147,13 @@ class TrainArguments:
 
     def _check_hub_login(self) -> None:
         """--push_to_hub: the Hub must be reachable with a token, checked before training rather than after it."""
-        from huggingface_hub import whoami
+        from huggingface_hub import HfApi
 
         if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "on", "true", "yes"):
             problem = "HF_HUB_OFFLINE is set: the Hub cannot be reached. Unset HF_HUB_OFFLINE and log in (`hf auth login`)"
         else:
             try:
-                whoami()
+                HfApi().whoami()
                 return
             except Exception as error:  # no token, a refused token, no network: all mean no upload at the end
                 reason = " ".join(f"{type(error).__name__}: {error}".split())

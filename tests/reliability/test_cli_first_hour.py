@@ -97,7 +97,7 @@ def test_push_to_hub_without_a_login_is_refused_before_training(tmp_path, capsys
         asked.append(True)
         raise huggingface_hub.errors.LocalTokenNotFoundError("Token is required,\nbut no token found.")
 
-    monkeypatch.setattr(huggingface_hub, "whoami", no_login)
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", no_login)
     argv = ["train", "--push_to_hub", "--output_dir", str(tmp_path / "run"), "--max_steps", "1"]
     line = _refusal(capsys, argv)
     assert asked and "--push_to_hub was given but the Hub cannot be reached" in line and "hf auth login" in line
@@ -106,7 +106,7 @@ def test_push_to_hub_without_a_login_is_refused_before_training(tmp_path, capsys
 
     from hf_ppmoe.training import TrainArguments
 
-    monkeypatch.setattr(huggingface_hub, "whoami", lambda *a, **k: {"name": "someone"})
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda *a, **k: {"name": "someone"})
     TrainArguments(push_to_hub=True).validate()  # logged in: accepted
 
 
