@@ -6,9 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..modeling import GPTMoEConfig
 from .export import TARGETS, export_moe
+from .io import parse_size
 from .merge import MERGE_METHODS, merge_experts
-from .upcycle import ROUTER_INITS, import_moe, upcycle
+from .upcycle import ROUTER_INITS, default_experts_per_token, import_moe, upcycle
 
 
 def _help(text: str) -> dict:
@@ -25,6 +27,15 @@ class _Paths:
 class _Output:
     max_shard_size: str = field(default="5GB", metadata=_help("Largest safetensors shard, e.g. 5GB, 500MB."))
     overwrite: bool = field(default=False, metadata=_help("Replace OUT if it exists (only once the conversion succeeded)."))
+
+    def __post_init__(self):
+        """Refuse, before anything is read, what the conversion would refuse only at its end (ValueError)."""
+        parse_size(self.max_shard_size)
+        output = Path(self.output)
+        if output.is_file():
+            raise ValueError(f"{output} is a file; the output must be a folder.")
+        if output.is_dir() and any(output.iterdir()) and not self.overwrite:
+            raise ValueError(f"{output} already exists; choose a new output folder or pass --overwrite.")
 
 
 @dataclass
@@ -47,6 +58,19 @@ class UpcycleArguments(_Output, _Paths):
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
     norm_topk_prob: bool = field(default=True, metadata=_help("topk gate: renormalize the top-k weights."))
+
+    def __post_init__(self):
+        """Also the MoE settings the target config refuses whatever the source is (the checks both families share,
+        run on a GPT-MoE config), before the source is read."""
+        super().__post_init__()
+        GPTMoEConfig(
+            num_experts=self.num_experts,
+            num_experts_per_tok=default_experts_per_token(self.router_type, self.num_experts_per_tok),
+            router_type=self.router_type,
+            moe_layer_frequency=self.moe_layer_frequency,
+            capacity_factor=self.capacity_factor,
+            norm_topk_prob=self.norm_topk_prob,
+        )
 
 
 @dataclass

@@ -166,10 +166,14 @@ def parse_size(size: int | str) -> int:
         return size
     text = size.strip().upper()
     units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(float(text[: -len(unit)]) * factor)
-    return int(text)
+    unit = next((u for u in units if text.endswith(u)), "")
+    try:
+        number = float(text[: len(text) - len(unit)])
+    except ValueError:
+        number = math.nan
+    if not number > 0 or math.isinf(number):
+        raise ValueError(f"max_shard_size {size!r}: give a size such as 5GB, 500MB or 2GiB, or a number of bytes.")
+    return int(number * units.get(unit, 1))
 
 
 def write_safetensors(

@@ -15,36 +15,46 @@ from .io import Checkpoint, carry_side_files, model_tensors, write_safetensors
 from .mapping import ConversionError, MappedSource, TensorSource, shape_str
 
 
-def expected_tensors(model_class, config) -> tuple[dict[str, torch.Size], set[str]]:
-    """Names and shapes of every tensor of `model_class(config)`, and the names a checkpoint must hold: those
+def expected_tensors(model_class, config) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Every tensor of `model_class(config)` by name (on the meta device), and the names a checkpoint must hold: those
     `save_pretrained` writes (Transformers' load-time renamings undone, e.g. Mixtral's fused experts back to one
     tensor per expert). Tied copies are optional (saved once; a stored copy that differs unties it when loading,
     which is how a T5 checkpoint says that its head is untied)."""
     with torch.device("meta"):
         model = model_class(config)
     stored = model_tensors(model)
-    shapes = {name: tensor.shape for name, tensor in model.state_dict().items()}
-    shapes.update({name: stored.get(name).shape for name in stored.keys()})
-    return shapes, set(stored.keys())
+    targets = dict(model.state_dict())
+    targets.update({name: stored.get(name) for name in stored.keys()})
+    return targets, set(stored.keys())
 
 
 def plan_tensors(tensors: TensorSource, expected: tuple[dict, set[str]]) -> list[tuple[str, torch.Size, torch.dtype]]:
     """Run the whole conversion on meta tensors and compare with `expected` (see `expected_tensors`): a shape
-    mismatch names the source tensors it comes from, a tensor the target needs but the conversion does not produce
-    is an error. Returns the write plan."""
-    shapes, required = expected
+    mismatch names the source tensors it comes from; an integer or boolean tensor where the target has a
+    floating-point one, and a tensor the target needs but the conversion does not produce, are errors. Returns the
+    write plan."""
+    targets, required = expected
     meta = tensors.meta()
-    plan, mismatched = [], []
+    plan, mismatched, integer = [], [], []
     for name in meta.keys():
         t = meta.get(name)
-        if name not in shapes:
+        if name not in targets:
             raise ConversionError(f"the conversion produced {name} (from {tensors.describe(name)}), which the target model does not have")
-        if tuple(t.shape) != tuple(shapes[name]):
-            mismatched.append(f"{name} would be {shape_str(t)} but must be {list(shapes[name])} (from {tensors.describe(name)})")
+        if tuple(t.shape) != tuple(targets[name].shape):
+            mismatched.append(f"{name} would be {shape_str(t)} but must be {list(targets[name].shape)} (from {tensors.describe(name)})")
+        if targets[name].is_floating_point() and not t.is_floating_point():
+            integer.append(f"{name} would be {t.dtype} (from {tensors.describe(name)})")
         plan.append((name, t.shape, t.dtype))
     if mismatched:
         raise ConversionError(
             "tensor shapes in the source do not match its config.json:\n  " + "\n  ".join(mismatched[:8])
+        )
+    if integer:
+        raise ConversionError(
+            f"the source stores weights as integers where the model's are floating point: {'; '.join(integer[:4])}. "
+            "Converters copy weights without casting them, and an integer weight is a quantized or damaged file: "
+            "convert the floating-point original (float32, bfloat16 or float16), or cast these tensors to a "
+            "floating-point dtype first if their values are the weights."
         )
     missing = sorted(required - {name for name, _, _ in plan})
     if missing:

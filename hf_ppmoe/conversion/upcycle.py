@@ -271,12 +271,23 @@ def _dense_checkpoint(src, moe: bool) -> tuple[Checkpoint, Architecture, frozens
     return checkpoint, arch, frozenset(checkpoint.tensors.keys())
 
 
+def default_experts_per_token(router_type: str, num_experts_per_tok: int | None) -> int:
+    """Routes per token when none is given: 1 for the switch gate, else 2."""
+    if num_experts_per_tok is not None:
+        return num_experts_per_tok
+    return 1 if router_type == "switch" else 2
+
+
 def _moe_config(arch: Architecture, fields: dict, overrides: dict, **extra):
+    """The target config; settings it refuses are a ConversionError (before any tensor is converted)."""
     config_class = MODEL_CLASSES[arch.family].config_class
     unknown = sorted(set(overrides) - _fields_of(config_class))
     if unknown:
         raise TypeError(f"unknown {config_class.__name__} field(s) for a {arch.model_type} source: {', '.join(unknown)}")
-    return config_class(**{**fields, **overrides, **extra})
+    try:
+        return config_class(**{**fields, **overrides, **extra})
+    except ValueError as err:
+        raise ConversionError(f"the {config_class.__name__} of the result refuses a setting: {err}") from err
 
 
 def upcycle(
@@ -318,10 +329,9 @@ def upcycle(
     the source's tokenizer and generation config) tensor by tensor and returns the folder's path.
     """
     if router_init not in ROUTER_INITS:
-        raise ValueError(f"router_init={router_init!r}; use one of {', '.join(ROUTER_INITS)}.")
+        raise ConversionError(f"router_init={router_init!r}; use one of {', '.join(ROUTER_INITS)}.")
     checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
-    if num_experts_per_tok is None:
-        num_experts_per_tok = 1 if router_type == "switch" else 2
+    num_experts_per_tok = default_experts_per_token(router_type, num_experts_per_tok)
     config = _moe_config(
         arch,
         arch.fields(checkpoint.config, names),

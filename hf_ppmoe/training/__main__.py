@@ -12,10 +12,10 @@ def cli(argv: list[str] | None = None, prog: str = "python -m hf_ppmoe.training"
     try:
         main(args)
     except ValueError as error:  # bad arguments: one clear line, no traceback
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     except FloatingPointError as error:  # the run diverged: say where and what to change
-        print(f"error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
     return 0
 

@@ -125,11 +125,41 @@ class TrainArguments:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
         if self.resume and self.resume != "latest" and not Path(self.resume).is_dir():
             raise ValueError(f"--resume {self.resume}: no such checkpoint folder (or use --resume latest).")
-        if self.push_to_hub and os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-            raise ValueError(
-                "--push_to_hub was given but HF_HUB_OFFLINE is set: the Hub cannot be reached. Unset HF_HUB_OFFLINE "
-                "and log in (`hf auth login`), or drop --push_to_hub and upload the output folder later."
-            )
+        self._check_sources()
+        if self.push_to_hub:
+            self._check_hub_login()
+
+    def _check_sources(self) -> None:
+        """A model or tokenizer to read is a local folder or a Hub repository id: anything else (`./nope`, a
+        mistyped path) is refused now rather than by the loader."""
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+        for name in ("model_name_or_path", "upcycle_from", "tokenizer_name"):
+            source = getattr(self, name)
+            if not source or Path(source).is_dir():
+                continue
+            if Path(source).exists():
+                raise ValueError(f"--{name} {source} is a file; give the model's folder (written by save_pretrained).")
+            try:
+                validate_repo_id(source)
+            except HFValidationError:
+                raise ValueError(f"--{name} {source}: no such folder, and not a Hub repository id (user/name).") from None
+
+    def _check_hub_login(self) -> None:
+        """--push_to_hub: the Hub must be reachable with a token, checked before training rather than after it."""
+        from huggingface_hub import HfApi
+
+        if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "on", "true", "yes"):
+            problem = "HF_HUB_OFFLINE is set: the Hub cannot be reached. Unset HF_HUB_OFFLINE and log in (`hf auth login`)"
+        else:
+            try:
+                HfApi().whoami()
+                return
+            except Exception as error:  # no token, a refused token, no network: all mean no upload at the end
+                reason = " ".join(f"{type(error).__name__}: {error}".split())
+                problem = (f"the Hub cannot be reached as a logged-in user ({reason}). Log in (`hf auth login` or "
+                           "HF_TOKEN) and check the network")
+        raise ValueError(f"--push_to_hub was given but {problem}, or drop --push_to_hub and upload the output folder later.")
 
     def _check_expert_parallel(self) -> None:
         if self.ep_size is None or self.ep_size == self.tp_size:

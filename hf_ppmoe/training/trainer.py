@@ -23,6 +23,9 @@ What is logged, every logging step and for every evaluation (prefixed `eval_`), 
   micro-batches, `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
+- `no_target_batches`: the micro-batches whose labels have no target token (all -100, or one-token sequences, which a
+  causal LM cannot predict). The model gives them a loss of 0 and no gradient, so they neither stop nor poison a run;
+  Trainer's `loss` counts them as 0. Counted on the device, as `python -m hf_ppmoe.training` counts them.
 Only forwards given `labels` count for the losses (with a `compute_loss_func` or label smoothing the model gets no
 labels and only the router statistics are logged). Not covered: `use_legacy_prediction_loop`, and several GPUs in one
 process (`torch.nn.DataParallel`, which Trainer uses when it sees several GPUs without a launcher: its replicas would
@@ -44,14 +47,14 @@ from .tracking import RouterMonitor
 
 class LossMonitor:
     """A forward hook on `model` (what Trainer calls: our model, or a PEFT model around `moe_model`) that sums, over the
-    forwards given labels, the LM cross-entropy, the label tokens and the token-weighted aux and z losses, on the
-    device, until `collect()`."""
+    forwards given labels, the LM cross-entropy, the label tokens, the token-weighted aux and z losses and the forwards
+    without a target token, on the device, until `collect()`."""
 
     def __init__(self, model: torch.nn.Module, moe_model: torch.nn.Module):
         config = moe_model.config
         self.coefficients = config.router_aux_loss_coef, config.router_z_loss_coef
         self.shifts_labels = not config.is_encoder_decoder  # GPT-MoE predicts labels[:, 1:]
-        self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z]
+        self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z, forwards without a target]
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     @torch.no_grad()
@@ -68,7 +71,7 @@ class LossMonitor:
         aux_coef, z_coef = self.coefficients
         lm = loss - router_loss_weight(targets, num_items) * (aux_coef * aux + z_coef * z)
         cross_entropy = lm * (num_items if num_items is not None else tokens)
-        sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z]).float()
+        sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z, tokens == 0]).float()
         self.sums = sums if self.sums is None else self.sums + sums.to(self.sums.device)
 
     @contextmanager
@@ -81,14 +84,13 @@ class LossMonitor:
             self.sums = saved
 
     def collect(self, reduce, device) -> dict[str, float]:
-        """Token-weighted means since the last collect, summed over processes by `reduce` (every process calls it);
-        empty when no forward had a label."""
-        sums = reduce(self.sums.to(device) if self.sums is not None else torch.zeros(4, device=device))
-        self.sums = None
-        if sums[1] == 0:
-            return {}
-        lm, _, aux, z = (sums / sums[1]).tolist()
-        return {"lm_loss": lm, "aux_loss": aux, "z_loss": z}
+        """Token-weighted means since the last collect, summed over processes by `reduce` (every process calls it),
+        and the count of forwards without a target; empty when no forward had a label."""
+        sums = reduce(self.sums.to(device) if self.sums is not None else torch.zeros(5, device=device))
+        self.sums, (ce, tokens, aux, z, no_target) = None, sums.tolist()
+        if tokens == 0:
+            return {"no_target_batches": int(no_target)} if no_target else {}
+        return {"lm_loss": ce / tokens, "aux_loss": aux / tokens, "z_loss": z / tokens, "no_target_batches": int(no_target)}
 
     def remove(self):
         self.handle.remove()

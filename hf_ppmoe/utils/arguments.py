@@ -49,13 +49,11 @@ def parse_arguments(arguments: type[T], argv: list[str] | None, *, prog: str, de
     """argv -> an `arguments` instance. Unknown flags, missing positionals and values the dataclass refuses (a
     ValueError or TypeError from its constructor) end as `prog: error: ...` with exit code 2."""
     parser = build_parser(arguments, prog=prog, description=description, positionals=positionals)
-    *parsed, rest = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True, look_for_args_file=False)
+    namespace, rest = parser.parse_known_args(argv)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if not positionals:
-        return parsed[0]
-    options, named = parsed
+    names = {f.name for f in dataclasses.fields(arguments) if f.init}
     try:
-        return arguments(**{f.name: getattr(options, f.name) for f in dataclasses.fields(options)}, **vars(named))
+        return arguments(**{name: value for name, value in vars(namespace).items() if name in names})
     except (TypeError, ValueError) as error:
         parser.error(str(error))

@@ -15,7 +15,12 @@ Leftovers of writers that were killed repair themselves: every atomic write, and
 folders in its target's parent, and for each whose writer is gone deletes it, or moves an aside folder whose target
 is missing back into place. A writer holds an exclusive `flock` on its temporary folders while it lives (the kernel
 drops it when the process dies, however it dies), and a temporary folder counts as abandoned only when that lock is
-free and, on this host, the process named in it is gone.
+free and, on this host, the process named in it is gone: it no longer exists, is a zombie (killed and not yet reaped
+by its parent), or started after the folder was last changed (its number was reused by a later process).
+
+A write that fails for lack of space raises `OutOfSpaceError` (an OSError with errno ENOSPC, EDQUOT or EFBIG), also
+when the writer reported it without an errno (torch.save: "enforce fail at inline_container.cc ... unexpected pos"):
+after any other OSError or RuntimeError, a 1 MiB write into the temporary folder shows whether the disk is full.
 
 Only the standard library is used: the model code carries this module into checkpoints for `trust_remote_code`.
 """
@@ -30,7 +35,7 @@ import secrets
 import shutil
 import socket
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 
 try:
@@ -76,14 +81,23 @@ def _temporary(target: Path, kind: str) -> Path:
     return target.with_name(f".{target.name}.{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _process_alive(pid: int) -> bool:
+def _writer_alive(pid: int, changed: float) -> bool:
+    """Whether process `pid` of this host may be the writer of a temporary folder last changed at `changed` (a
+    timestamp): it exists, is no zombie, and started before that change (else its number was reused)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:  # exists, owned by someone else
+        pass
+    try:  # Linux: the process's state and start time (in clock ticks after boot)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        boot = int(re.search(r"^btime (\d+)$", Path("/proc/stat").read_text(), re.MULTILINE)[1])
+    except (OSError, TypeError):  # no /proc: that it exists decides
         return True
-    return True
+    fields = stat[stat.rindex(")") + 2 :].split()  # from field 3 (state) on; the name before may hold anything
+    started = boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime
+    return fields[0] != "Z" and started <= changed + 1  # btime is in whole seconds
 
 
 def _claim_abandoned(path: Path, match: re.Match) -> _Lock | None:
@@ -93,7 +107,7 @@ def _claim_abandoned(path: Path, match: re.Match) -> _Lock | None:
     except (BlockingIOError, FileNotFoundError, NotADirectoryError, PermissionError):  # held, gone, or not ours
         return None
     # the lock is free, but a writer takes it a moment after creating the folder, and some filesystems have no flock
-    if match["host"] == _HOST and _process_alive(int(match["pid"])):
+    if match["host"] == _HOST and _writer_alive(int(match["pid"]), path.stat().st_mtime):
         lock.close()
         return None
     if lock.fd is None and match["host"] != _HOST:  # no lock and another machine's process: cannot tell, leave it
@@ -200,6 +214,22 @@ def _replace(staging: Path, target: Path) -> None:
             lock.close()
 
 
+def _disk_full(folder: Path) -> int | None:
+    """The errno of writing 1 MiB into `folder` where that fails for lack of space (else None)."""
+    probe = folder / ".space-probe"
+    try:
+        with open(probe, "wb") as f:
+            f.write(bytes(1 << 20))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as error:
+        return error.errno if error.errno in _OUT_OF_SPACE else None
+    finally:
+        with suppress(OSError):
+            probe.unlink()
+    return None
+
+
 def _out_of_space(error: BaseException) -> int | None:
     """The errno of a full disk or a file size limit in `error` or its causes (safetensors reports it in its text)."""
     while error is not None:
@@ -263,8 +293,10 @@ def atomic_folder(
         if inside is not None:  # this process worked in the old folder, which is gone: move to the new one
             os.chdir(target / inside if (target / inside).is_dir() else target)
     except BaseException as error:
-        shutil.rmtree(staging, ignore_errors=True)
         code = _out_of_space(error)
+        if code is None and isinstance(error, (OSError, RuntimeError)):  # a writer that gives no errno (torch.save)
+            code = _disk_full(staging)
+        shutil.rmtree(staging, ignore_errors=True)
         if code is not None:
             free = shutil.disk_usage(target.parent).free / 2**30
             state = f"{target} is unchanged" if existed else f"no {target} was created"

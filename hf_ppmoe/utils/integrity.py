@@ -6,6 +6,13 @@
 - the bytes are those that were saved (`write_checksums` / `verify_checksums`): a `checksums.sha256` file in
   `sha256sum` format records the SHA-256 of every weight file when it is written and is checked when it is read
   (also with `sha256sum -c checksums.sha256`). Files are hashed in 1 MiB blocks, several at a time.
+  For a safetensors file it also records, on a `# safetensors-header SHA256  NAME` line (a comment to sha256sum), the
+  SHA-256 of its header (the tensors' names, dtypes, shapes and places). That tells a damaged file from one written
+  anew on purpose: a file cut short, or whose bytes changed under the same header, is refused; a complete
+  safetensors file with another header (a tool or a test that rewrote the weights with `safetensors.save_file`, or
+  re-sharded them) is loaded with a warning. An edit that keeps the header (new values for the same tensors) is
+  refused like damage: save the folder again (`save_pretrained` records new checksums), delete `checksums.sha256`,
+  or load with `from_pretrained(..., verify_checksums=False)`.
 - the stored tensors fit the model (`check_stored_dtypes`, `check_finite`): no integer or boolean tensor where the
   model has a floating-point one (loading would cast it silently), no NaN or infinity.
 
@@ -16,8 +23,11 @@ Standard library, torch and safetensors only: the model code carries this module
 from __future__ import annotations
 
 import hashlib
+import json
+import logging
 import os
 import re
+import struct
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +55,8 @@ SAFETENSORS_DTYPES = {
 }
 TORCH_DTYPES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 _MANIFEST_LINE = re.compile(r"^([0-9a-f]{64}) [ *](.+)$", flags=re.MULTILINE)  # sha256sum's text and binary modes
+_HEADER_LINE = re.compile(r"^# safetensors-header ([0-9a-f]{64})  (.+)$", flags=re.MULTILINE)
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -90,11 +102,40 @@ def _hash_all(folder: Path, names: list[str]) -> dict[str, str]:
         return dict(zip(names, pool.map(lambda n: _sha256(folder / n), names)))
 
 
+def _safetensors_header(path: Path) -> bytes | None:
+    """The header of a complete safetensors file (its length and JSON), or None: not safetensors, or cut short."""
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            length = struct.unpack("<Q", f.read(8))[0]
+            if length > size:
+                return None
+            header = f.read(length)
+        entries = json.loads(header)
+        end = max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None
+    return struct.pack("<Q", length) + header if size == 8 + length + end else None
+
+
 def write_checksums(folder: str | os.PathLike, names: Iterable[str]) -> None:
-    """Record the SHA-256 of `names` (files in `folder`) in `folder/checksums.sha256`."""
+    """Record the SHA-256 of `names` (files in `folder`), and of the headers of the safetensors files among them, in
+    `folder/checksums.sha256`."""
     folder = Path(folder)
     digests = _hash_all(folder, sorted(names))
-    (folder / CHECKSUMS_FILE).write_text("".join(f"{h}  {n}\n" for n, h in digests.items()))
+    lines = []
+    for name, digest in digests.items():
+        lines.append(f"{digest}  {name}\n")
+        header = _safetensors_header(folder / name) if name.endswith(".safetensors") else None
+        if header is not None:
+            lines.append(f"# safetensors-header {hashlib.sha256(header).hexdigest()}  {name}\n")
+    (folder / CHECKSUMS_FILE).write_text("".join(lines))
+
+
+def _written_anew(path: Path, recorded_header: str | None) -> bool:
+    """Whether `path` is a complete safetensors file whose header is not the one recorded when it was saved."""
+    header = _safetensors_header(path)
+    return header is not None and hashlib.sha256(header).hexdigest() != recorded_header
 
 
 def verify_checksums(folder: str | os.PathLike, names: Iterable[str]) -> bool:
@@ -104,21 +145,30 @@ def verify_checksums(folder: str | os.PathLike, names: Iterable[str]) -> bool:
     manifest = folder / CHECKSUMS_FILE
     if not manifest.is_file():
         return False
-    recorded = {name: digest for digest, name in _MANIFEST_LINE.findall(manifest.read_text())}
+    text = manifest.read_text()
+    recorded = {name: digest for digest, name in _MANIFEST_LINE.findall(text)}
+    headers = {name: digest for digest, name in _HEADER_LINE.findall(text)}
     names = sorted(set(names))
-    unrecorded = [n for n in names if n not in recorded]
+    # a manifest without header lines (written before they were recorded) tells no rewrite from damage
+    rewritten = [n for n in names if headers and n.endswith(".safetensors") and _written_anew(folder / n, headers.get(n))]
+    unrecorded = [n for n in names if n not in recorded and n not in rewritten]
     if unrecorded:
         raise CheckpointError(
             f"{folder / unrecorded[0]} is read as part of the checkpoint but {manifest} does not list it: the folder "
             f"was changed after it was saved. Save it again, or delete {CHECKSUMS_FILE} if the change was yours."
         )
-    for name, digest in _hash_all(folder, names).items():
+    for name, digest in _hash_all(folder, [n for n in names if n not in rewritten]).items():
         if digest != recorded[name]:
             raise CheckpointError(
                 f"{folder / name} is not the file that was saved: its SHA-256 differs from the one in {manifest}, so "
                 "its bytes were overwritten or damaged. Restore it from a backup or an earlier checkpoint (or download "
-                f"it again); if you changed it on purpose, delete {CHECKSUMS_FILE}."
+                f"it again); if you changed it on purpose, save the folder again or delete {CHECKSUMS_FILE}."
             )
+    for name in rewritten:
+        logger.warning(
+            f"{folder / name} was written anew after {manifest} (a complete safetensors file with other tensors than "
+            "were saved), so its checksum is not checked. Save the folder again to record it."
+        )
     return True
 
 

@@ -93,7 +93,7 @@ def test_one_command_for_everything(tmp_path, capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"hf-ppmoe {version('hf-ppmoe')}"
     assert main(["--help"]) == 0
-    listing = capsys.readouterr().err
+    listing = capsys.readouterr().out  # asked-for help goes to stdout
     assert all(f"  {name} " in listing for name in ("demo", "train", "upcycle", "merge", "import", "megatron"))
     assert main(["train", "--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)]) == 2
     assert "error: Data file" in capsys.readouterr().err

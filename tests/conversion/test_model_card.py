@@ -103,6 +103,7 @@ def test_training_output_card_with_evaluation_and_push(tmp_path, monkeypatch):
                  max_position_embeddings=64, num_experts=4, num_experts_per_tok=2).to_json_file(tmp_path / "config.json")
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     calls = []
+    monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **kw: {"name": "me"})  # the login check before training
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id)) or
                         type("Url", (), {"repo_id": f"me/{repo_id}"})())
     monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw["repo_id"], sorted(

@@ -1,0 +1,120 @@
+"""Issue 25, the `hf-ppmoe` command as a new user meets it: every refusal is one `hf-ppmoe COMMAND: error: ...` line
+with exit code 2, checked before any work (the source is not read, nothing is trained); `hf-ppmoe --help` imports
+neither torch nor Transformers nor hf_ppmoe and prints to stdout."""
+
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from hf_ppmoe.cli import main
+
+ROOT = Path(__file__).parents[2]
+
+
+def _refusal(capsys, argv) -> str:
+    """The error line of a refused command (argparse's exit 2, or a returned 2); nothing else on stderr but the
+    short usage line."""
+    try:
+        code = main(argv)
+    except SystemExit as exit:
+        code = exit.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.splitlines()) <= 2, err
+    line = err.splitlines()[-1]
+    assert line.startswith(f"hf-ppmoe {argv[0]}: error: "), err
+    return line
+
+
+def test_help_and_version_import_nothing_heavy_and_help_goes_to_stdout():
+    code = (
+        "import sys, hf_ppmoe_cli\n"
+        "assert hf_ppmoe_cli.main(['--help']) == 0\n"
+        "assert hf_ppmoe_cli.main(['--version']) == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'hf_ppmoe') if m in sys.modules))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: hf-ppmoe COMMAND") and result.stderr == ""
+    assert result.stdout.splitlines()[-1] == "[]"
+    # the installed command is this launcher
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["hf-ppmoe"] == "hf_ppmoe_cli:main"
+
+
+def test_an_unknown_command_is_an_error_line(capsys):
+    assert main(["upcylce"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "hf-ppmoe: error: unknown command 'upcylce'"
+
+
+def test_upcycle_settings_are_refused_before_the_source_is_read(tmp_path, capsys):
+    missing = str(tmp_path / "no-such-source")  # read first, it would be the error
+    out = tmp_path / "out"
+    line = _refusal(capsys, ["upcycle", missing, str(out), "--num_experts", "2", "--num_experts_per_tok", "3"])
+    assert "num_experts_per_tok=3 must be between 1 and num_experts=2" in line
+    assert "Unknown router_type 'foo'" in _refusal(capsys, ["upcycle", missing, str(out), "--router_type", "foo"])
+    line = _refusal(capsys, ["upcycle", missing, str(out), "--max_shard_size", "LOTS"])
+    assert "max_shard_size 'LOTS': give a size such as 5GB" in line
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    line = _refusal(capsys, ["upcycle", missing, str(out)])
+    assert line.endswith(f"{out} already exists; choose a new output folder or pass --overwrite.")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+def test_settings_the_result_refuses_given_a_source_are_a_conversion_error(tmp_path, capsys):
+    dense = tmp_path / "dense"
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(dense)
+    capsys.readouterr()
+    line = _refusal(capsys, ["upcycle", str(dense), str(tmp_path / "out"), "--moe_layers", "5"])
+    assert "refuses a setting" in line and "moe_layers" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_demo_values_are_one_line(capsys):
+    assert _refusal(capsys, ["demo", "--num_experts", "0"]).endswith("--num_experts must be >= 1, got 0.")
+
+
+def test_train_refuses_a_missing_model_folder(tmp_path, capsys):
+    line = _refusal(capsys, ["train", "--model_name_or_path", "./nope", "--output_dir", str(tmp_path / "run")])
+    assert "--model_name_or_path ./nope: no such folder" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_push_to_hub_without_a_login_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    asked = []
+
+    def no_login(*args, **kwargs):
+        asked.append(True)
+        raise huggingface_hub.errors.LocalTokenNotFoundError("Token is required,\nbut no token found.")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", no_login)
+    argv = ["train", "--push_to_hub", "--output_dir", str(tmp_path / "run"), "--max_steps", "1"]
+    line = _refusal(capsys, argv)
+    assert asked and "--push_to_hub was given but the Hub cannot be reached" in line and "hf auth login" in line
+    assert "no token found" in line  # the reason, on the same line
+    assert not (tmp_path / "run").exists()  # nothing trained
+
+    from hf_ppmoe.training import TrainArguments
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda *a, **k: {"name": "someone"})
+    TrainArguments(push_to_hub=True).validate()  # logged in: accepted
+
+
+@pytest.mark.parametrize("size, expected", [("5GB", 5 * 10**9), ("2GiB", 2 * 2**30), ("1000", 1000), (" 1.5mb", 1_500_000)])
+def test_shard_sizes_that_are_read(size, expected):
+    from hf_ppmoe.conversion.io import parse_size
+
+    assert parse_size(size) == expected
+    for bad in ("LOTS", "-1GB", "0", "GB", "infGB"):
+        with pytest.raises(ValueError, match="give a size such as"):
+            parse_size(bad)
