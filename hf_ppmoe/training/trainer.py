@@ -20,7 +20,7 @@ What is logged, every logging step and for every evaluation (prefixed `eval_`), 
   Trainer's own `loss` / `eval_loss` is the model's loss, LM plus the weighted router losses.
 - `aux_loss`, `z_loss`: the router losses (means over the MoE layers, as in the model output), weighted by each
   micro-batch's label tokens, as their gradient is (`hf_ppmoe.modeling.common.router_loss_weight`); with equally long
-  micro-batches, `loss = lm_loss + router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
+  micro-batches, `loss = lm_loss + moe.losses.router_loss(config, aux_loss, z_loss)`.
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
 - `no_target_batches`: the micro-batches whose labels have no target token (all -100, or one-token sequences, which a
@@ -42,6 +42,7 @@ from transformers import Seq2SeqTrainer, Trainer
 
 from ..modeling import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from ..modeling.common import router_loss_weight
+from ..moe.losses import router_loss
 from .tracking import RouterMonitor
 
 
@@ -51,8 +52,7 @@ class LossMonitor:
     without a target token, on the device, until `collect()`."""
 
     def __init__(self, model: torch.nn.Module, moe_model: torch.nn.Module):
-        config = moe_model.config
-        self.coefficients = config.router_aux_loss_coef, config.router_z_loss_coef
+        config = self.config = moe_model.config
         self.shifts_labels = not config.is_encoder_decoder  # GPT-MoE predicts labels[:, 1:]
         self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z, forwards without a target]
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
@@ -68,8 +68,7 @@ class LossMonitor:
         tokens = (targets != -100).sum()
         # the model's loss: its LM loss (a mean over `tokens`, or a sum divided by num_items_in_batch) plus the router
         # terms with the weight the model gave them; computed now, before Trainer rescales `loss` in place
-        aux_coef, z_coef = self.coefficients
-        lm = loss - router_loss_weight(targets, num_items) * (aux_coef * aux + z_coef * z)
+        lm = loss - router_loss_weight(targets, num_items) * router_loss(self.config, aux, z)
         cross_entropy = lm * (num_items if num_items is not None else tokens)
         sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z, tokens == 0]).float()
         self.sums = sums if self.sums is None else self.sums + sums.to(self.sums.device)
