@@ -16,7 +16,8 @@ launch, so one failure is reported once.
 
 A marked test takes only its parametrize arguments (no fixtures): `tmp_dir()` gives a folder that is the same on
 every rank of the test. A test body that raises SystemExit on a rank ends that rank's part of the launch (a dead
-peer; the test passes on that rank, and the tests after it run in a new launch).
+peer; the test passes on that rank, and the tests after it run in a new launch): mark it `last=True` to run it after
+the others of its launch.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class Outcome:
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "distributed(world_size, group=None): run the test's body on every rank of a gloo group (see "
-        "tests/distributed.py)"
+        "markers", "distributed(world_size, group=None, last=False): run the test's body on every rank of a gloo "
+        "group (see tests/distributed.py)"
     )
 
 
@@ -108,6 +109,7 @@ def pytest_pyfunc_call(pyfuncitem):
                  and not _skipped(item)]
         if pyfuncitem not in batch:
             batch.insert(0, pyfuncitem)
+        batch.sort(key=lambda item: item.get_closest_marker("distributed").kwargs.get("last", False))
         _outcomes.update(run([_case(item) for item in batch], world_size=key[0]))
     raise_failure(_outcomes[pyfuncitem.nodeid], world_size=_key(pyfuncitem)[0])
     return True

@@ -230,7 +230,6 @@ def test_save_pretrained_after_parallelize(family):
     assert "model.safetensors" in os.listdir(path)
 
 
-@pytest.mark.distributed(2, group="faults")  # a launch of their own: the second one ends a rank's process
 def test_hung_rank_times_out():
     """Rank 1 stays alive but skips a collective: rank 0's all-reduce fails after the group's timeout."""
     group = make_mesh(tp=2, timeout=timedelta(seconds=2))["tp"].get_group()
@@ -245,7 +244,7 @@ def test_hung_rank_times_out():
     assert 1.5 < time.monotonic() - start < 15
 
 
-@pytest.mark.distributed(2, group="faults")
+@pytest.mark.distributed(2, last=True)  # rank 1's process ends here: the last test of its launch
 def test_dead_rank_fails_fast():
     """Rank 1 exits: rank 0's next collective fails at once, long before the group's timeout of 30 s."""
     group = make_mesh(tp=2, timeout=timedelta(seconds=30))["tp"].get_group()
