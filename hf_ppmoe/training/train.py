@@ -354,7 +354,7 @@ def evaluate(run: Run) -> dict:
 def spare_batch(run: Run) -> dict:
     """A batch of the training shape for forwards that are not counted (not read from the data: a stream would move)."""
     ids = torch.zeros(run.args.per_device_train_batch_size, run.args.block_size, dtype=torch.long)
-    return {"input_ids": ids, "labels": ids}
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
 
 
 def log_metrics(run: Run, done: int, interval: torch.Tensor, steps: int, grad_norm, seconds: float) -> dict:
