@@ -330,7 +330,8 @@ on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
 
 The papers' comparison. A GPT-2 whose FFN is {wide} wide has the upcycled MoE's active parameters per token (router
 aside: {_millions(wide_total)} against {_millions(moe_active)}); it trains from scratch for {total_steps} steps, as many
-as the MoE saw in pre-training and fine-tuning, with each seed's data order:
+as the MoE saw in pre-training and fine-tuning, with each seed's data order. Per token both compute the same; over the
+run the dense model computes more, since the MoE's first {args.dense_steps} steps were the small dense model's:
 
 | seed | MoE held-out loss | dense (equal active parameters) held-out loss | MoE minus dense |
 |---|---|---|---|
