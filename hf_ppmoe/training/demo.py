@@ -4,7 +4,9 @@
    train a small dense GPT-2 on the training topics;
 2. upcycle it to a GPT-MoE and check that its logits equal the dense model's; count total and active parameters;
 3. fine-tune the MoE and, for the same steps on the same batches, the dense model, for several data-order seeds;
-   compare their held-out loss per seed (the claim is made only if every seed agrees) and their tokens/s;
+   compare their held-out loss per seed (the claim is made only if every seed agrees) and their tokens/s; and, the
+   papers' comparison, against a dense GPT-2 with the MoE's active parameters (equal FLOPs per token) trained from
+   scratch for as many steps as the MoE saw in all;
 4. measure the share of routes each expert receives in each MoE layer on the held-out set, before and after;
 5. generate with GShard flat beam search (and check it equals Transformers' beam search);
 6. merge the MoE's experts back into a plain GPT-2 and evaluate it on the same held-out set;
@@ -194,11 +196,16 @@ def run_demo(args: DemoArguments) -> Path:
 
     print(f"[1/7] dense GPT-2 pre-training ({args.dense_steps} steps)")
     clock = time.perf_counter()
-    GPT2Config(
+    gpt2 = dict(
         vocab_size=len(tokenizer), n_embd=args.hidden_size, n_layer=args.num_layers, n_head=max(1, args.hidden_size // 32),
         n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    ).to_json_file(root / "dense_config.json")
+    )
+    GPT2Config(**gpt2).to_json_file(root / "dense_config.json")
+    # the papers' comparison: a GPT-2 with the MoE's active parameters, its FFN widened by the k - 1 routes per token
+    # that the MoE adds in one FFN of every moe_layer_frequency (equal FLOPs per token, router aside)
+    wide = round(4 * args.hidden_size * (1 + (args.num_experts_per_tok - 1) / args.moe_layer_frequency))
+    GPT2Config(**gpt2, n_inner=wide).to_json_file(root / "dense_active_config.json")
     dense_eval = _train(args, root, "dense", args.dense_steps, args.seed, max(1, args.dense_steps // 50),
                         config_name=str(root / "dense_config.json"))["eval/loss"]
     times["dense pre-training"] = time.perf_counter() - clock
@@ -225,18 +232,26 @@ def run_demo(args: DemoArguments) -> Path:
     seeds = [args.seed + 1 + i for i in range(args.seeds)]
     print(f"[3/7] fine-tuning the MoE and the dense model, {args.finetune_steps} steps on the same batches, seeds {seeds}")
     clock, load_before = time.perf_counter(), os.getloadavg()[0]
-    results = {"moe": [], "dense": []}
-    for seed in seeds:  # interleaved, so that a change in the machine's load hits both models alike
+    results, equal_flops = {"moe": [], "dense": []}, []
+    total_steps = args.dense_steps + args.finetune_steps
+    for seed in seeds:  # interleaved, so that a change in the machine's load hits every model alike
         results["moe"].append(_train(args, root, f"finetune/moe-seed{seed}", args.finetune_steps, seed, 1,
                                      model_name_or_path=str(root / "moe-init"))["eval/loss"])
         results["dense"].append(_train(args, root, f"finetune/dense-seed{seed}", args.finetune_steps, seed, 1,
                                        model_name_or_path=str(root / "dense"))["eval/loss"])
-        print(f"      seed {seed}: held-out loss MoE {results['moe'][-1]:.4f}, dense {results['dense'][-1]:.4f}")
+        equal_flops.append(_train(args, root, f"equal-flops/dense-seed{seed}", total_steps, seed, 1,
+                                  config_name=str(root / "dense_active_config.json"))["eval/loss"])
+        print(f"      seed {seed}: held-out loss MoE {results['moe'][-1]:.4f}, dense {results['dense'][-1]:.4f}, dense "
+              f"with the MoE's active parameters (from scratch, {total_steps} steps) {equal_flops[-1]:.4f}")
     diffs = [m - d for m, d in zip(results["moe"], results["dense"])]
     verdict = _verdict(diffs)
     print(f"      {verdict}")
     logs = {name: [_records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in results}
     speed = {name: _median_tokens_per_second(records) for name, records in logs.items()}
+    speed["equal-flops"] = _median_tokens_per_second([_records(root, f"equal-flops/dense-seed{seed}") for seed in seeds])
+    flops_verdict = _verdict([m - d for m, d in zip(results["moe"], equal_flops)])
+    wide_total = AutoModelForCausalLM.from_pretrained(root / f"equal-flops/dense-seed{seeds[0]}").num_parameters()
+    print(f"      against the dense model with the MoE's active parameters: {flops_verdict}")
     times["fine-tuning"] = time.perf_counter() - clock
     load_after = os.getloadavg()[0]
 
@@ -281,6 +296,8 @@ def run_demo(args: DemoArguments) -> Path:
     stage_times = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times.items())
     epochs = (args.dense_steps + args.finetune_steps) * tokens_per_step / train_tokens
     perplexity = math.exp(results["moe"][0])
+    flops_rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |"
+                           for seed, m, d in zip(seeds, results["moe"], equal_flops, strict=True))
     rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |"
                      for seed, m, d in zip(seeds, results["moe"], results["dense"], strict=True))
     quick = "\n*`--quick`: tiny models and a few steps, a check that every stage runs; the numbers are not a result.*\n"
@@ -304,9 +321,24 @@ training set; steps are {args.batch_size} sequences of {args.block_size} tokens.
 |---|---|---|
 | dense GPT-2, {args.num_layers} layers, hidden {args.hidden_size} | {_millions(dense_total)} | {_millions(dense_total)} |
 | upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {moe_row} |
+| dense GPT-2, FFN {wide} wide (the MoE's active parameters) | {_millions(wide_total)} | {_millions(wide_total)} |
 
 Upcycling copies the dense FFN into every expert: max |logit difference| between the fresh MoE and the dense model
 on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
+
+## Equal FLOPs per token: the MoE against a dense model of its active parameters
+
+The papers' comparison. A GPT-2 whose FFN is {wide} wide has the upcycled MoE's active parameters per token (router
+aside: {_millions(wide_total)} against {_millions(moe_active)}); it trains from scratch for {total_steps} steps, as many
+as the MoE saw in pre-training and fine-tuning, with each seed's data order. Per token both compute the same; over the
+run the dense model computes more, since the MoE's first {args.dense_steps} steps were the small dense model's:
+
+| seed | MoE held-out loss | dense (equal active parameters) held-out loss | MoE minus dense |
+|---|---|---|---|
+{flops_rows}
+
+{flops_verdict} Speed (median step, CPU proxy): MoE {speed['moe']:,.0f} tokens/s, dense with the MoE's active
+parameters {speed['equal-flops']:,.0f} tokens/s.
 
 ## Dense pre-training, then fine-tuning both models
 
@@ -365,7 +397,7 @@ dense model's size again: held-out loss {merged_loss:.4f}, against {moe_loss:.4f
 the end): {stage_times}.
 
 Folders: `data/` (training and held-out topics), `dense/` (GPT-2), `moe-init/` (upcycled),
-`finetune/moe-seedN/` and `finetune/dense-seedN/` (each with `logs/metrics.jsonl`), `merged/` (plain GPT-2, loads
+`finetune/moe-seedN/` and `finetune/dense-seedN/`, `equal-flops/dense-seedN/` (each with `logs/metrics.jsonl`), `merged/` (plain GPT-2, loads
 without hf_ppmoe).
 """
     (root / "report.md").write_text(report)

@@ -65,6 +65,15 @@ def test_report_numbers_are_the_logs(demo):
         assert f"| {seed} | {moe:.4f} | {dense:.4f} | {moe - dense:+.4f} |" in report
     diffs = [_final_eval(logged["moe", s]) - _final_eval(logged["dense", s]) for s in seeds]
     assert _verdict(diffs) in report
+    # the papers' comparison: a dense GPT-2 with the MoE's active parameters, trained from scratch as many steps
+    flops = [_final_eval(read_jsonl(out / "equal-flops" / f"dense-seed{s}" / "logs" / "metrics.jsonl")) for s in seeds]
+    for seed, (m, d) in zip(seeds, zip((_final_eval(logged["moe", s]) for s in seeds), flops)):
+        assert f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |" in report
+    assert _verdict([_final_eval(logged["moe", s]) - d for s, d in zip(seeds, flops)]) in report
+    wide = AutoModelForCausalLM.from_pretrained(out / "equal-flops" / "dense-seed1")
+    moe_init = AutoModelForCausalLM.from_pretrained(out / "moe-init")
+    router = sum(p.numel() for n, p in moe_init.named_parameters() if n.endswith(".gate.weight"))
+    assert abs(wide.num_parameters() - (moe_init.num_active_parameters() - router)) <= QUICK["num_layers"] * QUICK["hidden_size"]
 
     for name, label in (("moe", "MoE"), ("dense", "dense")):  # median step, each run's first step left out
         speeds = [v for s in seeds for v in [r["train/tokens_per_second"] for r in logged[name, s] if "train/tokens_per_second" in r][1:]]
