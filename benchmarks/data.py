@@ -3,6 +3,7 @@ the run_clm.py way, on corpora generated from the built-in corpus:
 
     python benchmarks/data.py                   # 25, 100 and 400 MB; prints a markdown table
     python benchmarks/data.py --sizes 25 100
+    python benchmarks/data.py --sizes 400 --runs first cached streaming     # some of the runs
 
 For each size, one .txt file (the built-in corpus repeated, documents separated by blank lines), a byte-level BPE
 tokenizer trained on the built-in corpus, and 2-step runs of `python -m hf_ppmoe.training` on a tiny GPT-MoE
@@ -103,7 +104,10 @@ def corpus(root: Path, megabytes: int) -> Path:
     return path
 
 
-def bench(root: Path, megabytes: int, tokenizer: Path, config: Path) -> dict:
+RUNS = ("first", "cached", "streaming", "2 procs", "run_clm")
+
+
+def bench(root: Path, megabytes: int, tokenizer: Path, config: Path, runs=RUNS) -> dict:
     text = corpus(root, megabytes)
     size_mb = text.stat().st_size / 2**20
 
@@ -115,13 +119,14 @@ def bench(root: Path, megabytes: int, tokenizer: Path, config: Path) -> dict:
                     "-m", "hf_ppmoe.training"] if processes > 1 else [sys.executable, "-m", "hf_ppmoe.training"]
         return measure([*launcher, *flags])
 
-    rows = {
-        "first": train("first"),
-        "cached": train("cached"),
-        "streaming": train("streaming", "--streaming"),
-        "2 procs": train("two", processes=2, cache=root / f"cache2_{megabytes}"),
-        "run_clm": measure([sys.executable, "-c", RUN_CLM, str(text), str(tokenizer), str(config), str(root / f"clm_{megabytes}")]),
+    commands = {  # in this order: "cached" reuses what "first" prepared
+        "first": lambda: train("first"),
+        "cached": lambda: train("cached"),
+        "streaming": lambda: train("streaming", "--streaming"),
+        "2 procs": lambda: train("two", processes=2, cache=root / f"cache2_{megabytes}"),
+        "run_clm": lambda: measure([sys.executable, "-c", RUN_CLM, str(text), str(tokenizer), str(config), str(root / f"clm_{megabytes}")]),
     }
+    rows = {name: command() for name, command in commands.items() if name in runs}
     for row in rows.values():
         row["mb_per_s"] = size_mb / row["ready_s"] if row["ready_s"] else None
     text.unlink()
@@ -131,7 +136,9 @@ def bench(root: Path, megabytes: int, tokenizer: Path, config: Path) -> dict:
 def table(results: list[dict]) -> str:
     lines = ["| corpus | run | peak RSS (GB) | data ready (s) | MB/s | whole run (s) |", "|---|---|---|---|---|---|"]
     for result in results:
-        for name in ("first", "cached", "streaming", "2 procs", "run_clm"):
+        for name in RUNS:
+            if name not in result:
+                continue
             r = result[name]
             rate = f"{r['mb_per_s']:.2f}" if name in ("first", "2 procs", "run_clm") else "-"
             lines.append(f"| {result['megabytes']} MB | {name} | {r['rss_gb']:.2f} | {r['ready_s']:.1f} | {rate} | {r['wall_s']:.0f} |")
@@ -141,6 +148,7 @@ def table(results: list[dict]) -> str:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", type=int, nargs="+", default=[25, 100, 400], help="corpus sizes in MB")
+    parser.add_argument("--runs", nargs="+", choices=RUNS, default=RUNS, help="which runs (default: all)")
     parser.add_argument("--json", help="also write the results here")
     options = parser.parse_args()
     results = []
@@ -148,7 +156,7 @@ if __name__ == "__main__":
         tokenizer_dir, config_file = setup(Path(folder))
         for megabytes in options.sizes:
             clock = time.perf_counter()
-            results.append(bench(Path(folder), megabytes, tokenizer_dir, config_file))
+            results.append(bench(Path(folder), megabytes, tokenizer_dir, config_file, options.runs))
             print(f"{megabytes} MB done in {time.perf_counter() - clock:.0f} s", file=sys.stderr, flush=True)
             print(table(results[-1:]), flush=True)
     if options.json:

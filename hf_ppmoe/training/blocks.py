@@ -45,6 +45,7 @@ from ..utils.atomic import atomic_folder
 from .data import Source
 
 TEXT_BATCH = 1000  # documents tokenized together
+WRITE_TOKENS = 2**22  # tokens per Arrow record batch: few batch headers, so mapping a file touches few of its pages
 FORMAT = 1  # the layout of a cache entry; a new layout makes new keys
 
 
@@ -119,16 +120,24 @@ def write_blocks(source: Source, path: Path, tokenizer, block_size: int) -> dict
     import pyarrow as pa
 
     schema = pa.schema({"input_ids": pa.list_(pa.int32(), block_size)})
-    packer, digest, blocks, tokens = Packer(block_size), hashlib.sha256(), 0, 0
+    packer, digest, blocks, tokens, waiting = Packer(block_size), hashlib.sha256(), 0, 0, []
+
+    def write():
+        new = np.concatenate(waiting)
+        writer.write_batch(pa.record_batch([pa.FixedSizeListArray.from_arrays(pa.array(new.ravel()), block_size)], schema=schema))
+        digest.update(new.tobytes())
+        waiting.clear()
+
     with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
         for texts in source.texts(batch_size=TEXT_BATCH):
             ids = tokenize(texts, tokenizer)
             tokens += len(ids)
-            new = packer.add(ids)
-            if len(new):
-                writer.write_batch(pa.record_batch([pa.FixedSizeListArray.from_arrays(pa.array(new.ravel()), block_size)], schema=schema))
-                digest.update(new.tobytes())
-                blocks += len(new)
+            waiting.append(packer.add(ids))
+            blocks += len(waiting[-1])
+            if sum(map(len, waiting)) * block_size >= WRITE_TOKENS:
+                write()
+        if waiting:
+            write()
     if blocks == 0:
         raise _short(source, tokens, block_size)
     return {"blocks": blocks, "tokens": tokens, "sha256": digest.hexdigest()}
