@@ -178,13 +178,13 @@ class Run:
     jsonl: JSONLinesTracker
     record: dict  # what every checkpoint records about the run (checkpoints.py)
     pipe: object = None  # hf_ppmoe.parallel.Pipeline with --pp_size
-    no_target: torch.Tensor | None = None  # micro-batches without a target token since the last log (on the device)
-
-    def __post_init__(self):
-        self.no_target = torch.zeros((), dtype=torch.long, device=self.device)
     sharded: tuple | None = None  # (model, optimizer, stage) that Accelerate does not hold
     start_step: int = 0
     changes: dict = field(default_factory=dict)
+    no_target: torch.Tensor = field(init=False)  # micro-batches without a target since the last log (on the device)
+
+    def __post_init__(self):
+        self.no_target = torch.zeros((), dtype=torch.long, device=self.device)
 
     @property
     def config(self):
@@ -259,7 +259,7 @@ def setup(args: TrainArguments) -> Run:
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
     run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, pipe,
-              sharded=sharded, changes=changes)  # by name: no_target is the field after pipe
+              sharded=sharded, changes=changes)
     if checkpoint is not None:
         load_checkpoint(run, checkpoint)
         run.start_step = resume_step
