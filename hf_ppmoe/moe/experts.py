@@ -6,9 +6,8 @@ N routes that reach an expert, G groups, S group size, C capacity.
 `Experts` stores the weights of E feed-forward experts stacked along dim 0 in nn.Linear's orientation, output
 dimension first (Transformers' Mixtral layout, `is_transposed=False`): `gate_up_proj [E, 2I, H]` = [gate ; up]
 along dim 1 for gated MLPs or `up_proj [E, I, H]`, `down_proj [E, H, I]`, optional biases `[E, 2I or I]`, `[E, H]`.
-The kernels below multiply `x @ W[e].T` (input-first views of these tensors). For the many rows of training the
-orientation makes no measurable difference; for the few rows of decoding, with the weights coming from memory, it
-is 11-28% faster on CPU than input-first storage (benchmarks/RESULTS.md, Generation).
+The kernels below multiply `x @ W[e].T` (input-first views of these tensors); why this orientation:
+benchmarks/RESULTS.md, Generation.
 
 It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])`; ids equal to
 `num_experts` are skipped. `Experts.forward` looks its implementation up in one registry, `EXPERTS_FUNCTIONS`
