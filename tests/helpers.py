@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import torch
 
 
@@ -87,3 +91,31 @@ def trainer_args(out, **overrides):
     )
     values.update(overrides)
     return Seq2SeqTrainingArguments(**values)
+
+
+# Runs the training CLI and SIGKILLs the process right after it has logged step 5, so the kill lands at the same
+# point every time: after the step-4 checkpoint, with a logged step that the resumed run must drop and redo.
+KILLED_AFTER_STEP_5 = """
+import os, signal, sys
+from hf_ppmoe.training.__main__ import cli
+from hf_ppmoe.training.tracking import JSONLinesTracker
+
+log = JSONLinesTracker.log
+
+def log_then_die(self, values, step=None, **kwargs):
+    log(self, values, step, **kwargs)
+    if step == 5 and "train/lm_loss" in values:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+JSONLinesTracker.log = log_then_die
+sys.exit(cli(sys.argv[1:]))
+"""
+
+
+def torchrun_script(script: str, body: str, *args: str, nprocs: int = 2) -> None:
+    """Run `script body args...` on `nprocs` torchrun processes; a failure shows the ranks' tracebacks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
+    done = subprocess.run([*command, script, body, *args], env=env, capture_output=True, text=True, timeout=900)
+    ranks = "\n".join(line for line in done.stderr.splitlines() if line.startswith("[rank"))  # their tracebacks
+    assert done.returncode == 0, f"{body} failed:\n{done.stdout[-2000:]}\n{ranks[-12000:] or done.stderr[-8000:]}"

@@ -6,20 +6,16 @@ The multi-process checks run their own bodies under torchrun (2 ranks, gloo) and
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def launch(body: str, *args: str, nprocs: int = 2) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}"]
-    done = subprocess.run([*command, __file__, body, *args], env=env, capture_output=True, text=True, timeout=900)
-    ranks = "\n".join(line for line in done.stderr.splitlines() if line.startswith("[rank"))  # their tracebacks
-    assert done.returncode == 0, f"{body} failed:\n{done.stdout[-2000:]}\n{ranks[-12000:] or done.stderr[-8000:]}"
+def launch(body: str, *args: str) -> None:
+    from helpers import torchrun_script  # here: this file is also the ranks' script, run without tests/ on the path
+
+    torchrun_script(__file__, body, *args)
 
 
 def test_repr_shows_tensor_and_expert_parallel_modules():

@@ -10,15 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 from hf_ppmoe.training import TrainArguments, main
 from hf_ppmoe.training import blocks as blocks_module
 from hf_ppmoe.training.blocks import load_data, tokenize
-from hf_ppmoe.training.data import Source, builtin_corpus, pack, train_tokenizer
+from hf_ppmoe.training.data import builtin_corpus, pack, train_tokenizer
 from hf_ppmoe.training.tracking import read_jsonl
+from helpers import KILLED_AFTER_STEP_5
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 DOCS = builtin_corpus()[:12]
@@ -250,21 +250,6 @@ def test_two_processes_tokenize_once_and_split_the_batches(shards, tokenizer, tm
     assert not streamed[0] & streamed[1] and streamed[0] | streamed[1] == set(DOCS)
 
 
-KILLED_AFTER_STEP_5 = """
-import os, signal, sys
-from hf_ppmoe.training.__main__ import cli
-from hf_ppmoe.training.tracking import JSONLinesTracker
-
-log = JSONLinesTracker.log
-
-def log_then_die(self, values, step=None, **kwargs):
-    log(self, values, step, **kwargs)
-    if step == 5 and "train/lm_loss" in values:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-JSONLinesTracker.log = log_then_die
-sys.exit(cli(sys.argv[1:]))
-"""
 
 
 def test_streamed_run_killed_and_resumed_reads_the_uninterrupted_batches(shards, tmp_path):

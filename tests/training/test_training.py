@@ -21,6 +21,7 @@ from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.training import TrainArguments, main
 from hf_ppmoe.training.data import builtin_corpus, pack, read_text_files
 from hf_ppmoe.training.tracking import read_jsonl
+from helpers import KILLED_AFTER_STEP_5
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 RUNS = Path(__file__).with_name("runs.py")
@@ -336,23 +337,6 @@ def test_sharded_layouts_equal_one_process(four_processes, run, reference, reque
     assert_same_model(four_processes / run, reference)
 
 
-# Runs the training CLI and SIGKILLs the process right after it has logged step 5, so the kill lands at the same
-# point every time: after the step-4 checkpoint, with a logged step that the resumed run must drop and redo.
-KILLED_AFTER_STEP_5 = """
-import os, signal, sys
-from hf_ppmoe.training.__main__ import cli
-from hf_ppmoe.training.tracking import JSONLinesTracker
-
-log = JSONLinesTracker.log
-
-def log_then_die(self, values, step=None, **kwargs):
-    log(self, values, step, **kwargs)
-    if step == 5 and "train/lm_loss" in values:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-JSONLinesTracker.log = log_then_die
-sys.exit(cli(sys.argv[1:]))
-"""
 
 
 def test_kill_and_resume_equals_uninterrupted(corpus, reference, tmp_path):
