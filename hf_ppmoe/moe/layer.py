@@ -33,11 +33,11 @@ class MoELayer(nn.Module):
         self.shared_expert = MLP(config, shared) if shared else None
 
     def forward(
-        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool = True
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool | None = None
     ) -> tuple[torch.Tensor, Routing]:
         """hidden_states [..., H], token_mask [...] (False for padding) -> (output [..., H], Routing).
 
-        compute_losses=False skips the router losses and statistics (see `Gate.forward`)."""
+        compute_losses: the router losses and statistics, by default with gradients (`losses.losses_wanted`)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if token_mask is not None:
@@ -48,7 +48,7 @@ class MoELayer(nn.Module):
         return out.view(shape), routing
 
     def route(
-        self, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool
+        self, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool | None
     ) -> tuple[torch.Tensor, Routing]:
         """Gate + routed experts: x [T, H] -> (their output [T, H], Routing). Expert parallelism
         (`hf_ppmoe.parallel.expert_parallel.PPMoELayer`) overrides this method, the part of the layer it splits over

@@ -24,14 +24,14 @@ class Routing(NamedTuple):
 
     expert_ids: torch.Tensor  # [T, K] int64; `num_experts` marks a route that goes nowhere
     weights: torch.Tensor  # [T, K] combine weights; 0 where expert_ids is the sentinel
-    router_logits: torch.Tensor  # [T, E] float32, before softmax
+    router_logits: torch.Tensor  # [T, E] before softmax, in the activations' dtype (the softmax is float32)
     num_experts: int
     group_size: int  # S: tokens per group for capacity (the whole batch when there is one group)
     capacity: int | None = None  # C: per-group expert capacity; None means dropless
     # losses and statistics; None when the gate was asked not to compute them (inference without gradients)
     aux_loss: torch.Tensor | None = None  # scalar load-balancing loss (padding excluded)
     z_loss: torch.Tensor | None = None  # scalar router z-loss (padding excluded)
-    tokens_per_expert: torch.Tensor | None = None  # [E] routes each expert received, real tokens only
+    tokens_per_expert: torch.Tensor | None = None  # [E] float32: routes each expert received, real tokens only
     dropped_fraction: torch.Tensor | None = None  # scalar: routes chosen but dropped by capacity / routes chosen
 
     @property

@@ -8,6 +8,7 @@ from helpers import tiny_gpt_config
 
 from hf_ppmoe.moe import Gate, MoELayer, get_gate_class, register_gate
 from hf_ppmoe.moe.gates import GATES
+from hf_ppmoe.moe.losses import route_fractions
 
 
 def make_gate(router_type, *, num_experts, top_k, eye=True, **overrides):
@@ -284,6 +285,11 @@ def test_registry_custom_gate_and_unknown_name():
     ],
 )
 def test_assignment_counts_routes_as_each_gate_defines(router_type, ids, expected):
-    """The c_e of the load-balancing loss, hand-worked (4 experts, 2 routes per token)."""
+    """The c_e of the load-balancing loss, hand-worked per token (4 experts, 2 routes per token): counted from the
+    gate's routes (no one-hot), the share of the tokens per expert is the mean of the hand-worked rows."""
     gate = make_gate(router_type, num_experts=4, top_k=2)
-    assert torch.equal(gate.assignment(torch.tensor(ids)), torch.tensor(expected, dtype=torch.float32))
+    routes, share = gate.assignment(torch.tensor(ids))
+    fraction = route_fractions(routes, share, None, num_experts=4, group_size=2)
+    torch.testing.assert_close(fraction, torch.tensor(expected, dtype=torch.float32).mean(dim=0, keepdim=True), rtol=0, atol=0)
+    padded = route_fractions(routes, share, torch.tensor([True, False]), num_experts=4, group_size=2)
+    torch.testing.assert_close(padded, torch.tensor(expected[:1], dtype=torch.float32), rtol=0, atol=0)
