@@ -130,16 +130,17 @@ def count(fn) -> Counts:
 # ---- the two layers at the GPU benchmark's shapes, built on the meta device ----
 
 
-def ours(H: int, f: int, E: int, k: int, dtype=torch.bfloat16):
-    from hf_ppmoe.moe import MoELayer
-
+def ours(H: int, f: int, E: int, k: int, dtype=torch.bfloat16, losses: bool | None = None):
+    """`MoELayer` as benchmarks/gpu.py builds it; `losses=False` leaves out the router losses and statistics (which
+    it computes by default with gradients) to count what they cost."""
     from hf_ppmoe import GPTMoEConfig
+    from hf_ppmoe.moe import MoELayer
 
     config = GPTMoEConfig(hidden_size=H, intermediate_size=f, num_attention_heads=max(1, H // 128), num_experts=E,
                           num_experts_per_tok=k, router_type="topk", norm_topk_prob=True, moe_layer_frequency=1)
     with torch.device("meta"):
         layer = MoELayer(config).to(dtype)
-    return lambda x: layer(x)[0]
+    return lambda x: layer(x, compute_losses=losses)[0]
 
 
 def qwen3(H: int, f: int, E: int, k: int, dtype=torch.bfloat16):
@@ -157,35 +158,48 @@ def qwen3(H: int, f: int, E: int, k: int, dtype=torch.bfloat16):
 LAYERS = {"ours": ours, "qwen3-grouped_mm": qwen3}
 
 
+def count_train(layer, T: int, H: int, dtype=torch.bfloat16) -> Counts:
+    """forward + backward of one layer on a [1, T, H] meta input, as benchmarks/gpu.py trains it."""
+    x = torch.empty(1, T, H, device="meta", dtype=dtype, requires_grad=True)
+
+    def train():
+        out = layer(x)
+        out.backward(torch.ones_like(out))
+
+    return count(train)
+
+
 def measure(layer, T: int, H: int, dtype=torch.bfloat16) -> dict[str, Counts]:
     """{"train": forward + backward, "forward": under no_grad} of one layer on a [1, T, H] meta input."""
     x = torch.empty(1, T, H, device="meta", dtype=dtype)
-
-    def train():
-        xi = x.detach().requires_grad_(True)
-        out = layer(xi)
-        out.backward(torch.ones_like(out))
 
     def forward():
         with torch.no_grad():
             layer(x)
 
-    return {"train": count(train), "forward": count(forward)}
+    return {"train": count_train(layer, T, H, dtype), "forward": count(forward)}
 
 
 def table(experts=(8, 32, 128), topk=(1, 2, 8), T=16384, H=2048, f=1408) -> tuple[list[str], dict]:
     """The markdown table and the raw counts {(E, k, mode, layer): Counts}."""
     results = {}
-    lines = [f"### Per MoE layer on the meta device (T={T}, H={H}, f={f}, bf16): kernels | GEMM TFLOP | non-GEMM GiB",
-             "", "| E | k | mode | ours | qwen3-grouped_mm | ours / qwen3 kernels | ours / qwen3 bytes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"### Per MoE layer on the meta device (T={T}, H={H}, f={f}, bf16)", "",
+             "Non-GEMM GiB: read + written by every kernel but the GEMMs. Ours trains with its router losses and "
+             "statistics (the kernels they take in brackets); Qwen3-MoE's block computes none (its model adds the aux "
+             "loss once from all layers' logits).", "",
+             "| E | k | mode | ours kernels | ours GEMM TFLOP | ours non-GEMM GiB | qwen3 kernels | qwen3 GEMM TFLOP | "
+             "qwen3 non-GEMM GiB | kernels ours / qwen3 | non-GEMM bytes ours / qwen3 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for E in experts:
         for k in topk:
             per_layer = {name: measure(build(H, f, E, k), T, H) for name, build in LAYERS.items()}
+            losses = count_train(ours(H, f, E, k), T, H).kernels - count_train(ours(H, f, E, k, losses=False), T, H).kernels
             for mode in ("train", "forward"):
                 a, b = per_layer["ours"][mode], per_layer["qwen3-grouped_mm"][mode]
                 results.update({(E, k, mode, "ours"): a, (E, k, mode, "qwen3-grouped_mm"): b})
-                lines.append(f"| {E} | {k} | {mode} | {a.row()} | {b.row()} | {a.kernels / b.kernels:.2f} | "
+                results[(E, k, "router losses")] = losses
+                mine = a.row().replace(" |", f" ({losses}) |", 1) if mode == "train" else a.row()  # kernels (losses)
+                lines.append(f"| {E} | {k} | {mode} | {mine} | {b.row()} | {a.kernels / b.kernels:.2f} | "
                              f"{a.other_bytes / b.other_bytes:.2f} |")
     return lines, results
 

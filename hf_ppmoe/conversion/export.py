@@ -327,7 +327,8 @@ def _switch_config(c):
         num_experts=c.num_experts,
         router_bias=False,
         router_jitter_noise=0.0,
-        router_dtype="float32",  # ours routes in float32
+        router_dtype="float32",  # Switch's only exact choice; ours with router_dtype=None computes the GEMM in the
+        # activations' dtype, the same in float32 (the dtype the export checks)
         relative_attention_num_buckets=c.relative_attention_num_buckets,
         relative_attention_max_distance=c.relative_attention_max_distance,
         dropout_rate=c.hidden_dropout,

@@ -197,7 +197,7 @@ def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights:
 
     Every expert's block also holds one anchor row of zeros, so no block is empty (an empty group's weight gradient
     is the kernel's to decide, and some GPUs write garbage there) and a route that goes nowhere (dropped, padding, an
-    expert on another rank) reads an anchor's exact-zero output with weight 0. Such routes sort past the last
+    expert on another rank) reads the last anchor's exact-zero output with weight 0. Such routes sort past the last
     offset, where the kernels compute nothing and write nothing: no row there is ever read again, forward or
     backward, so nothing is masked. Weight gradients come from torch's own grouped GEMM autograd, in the
     parameters' layout. No shape depends on the routing: torch.compile traces one graph, and with torch's kernel
@@ -208,8 +208,9 @@ def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights:
     sorted_ids, order = torch.sort(torch.cat([expert_ids.reshape(-1), anchors]), stable=True)  # sentinels last
     offsets = torch.searchsorted(sorted_ids, anchors, right=True, out_int32=True)  # end row of each expert's block
     row_of = torch.empty_like(order).scatter_(0, order, torch.arange(N + E, device=x.device))  # inverse permutation
-    # each route's row in the sorted order; a route that goes nowhere reads expert 0's anchor
-    route_rows = torch.where(expert_ids.reshape(-1) < E, row_of[:N], row_of[N])
+    # each route's row in the sorted order; a route that goes nowhere (sorted past every block) reads the last anchor,
+    # expert E-1's (stable sort: after that expert's routes, the last row of its block)
+    route_rows = row_of[:N].clamp(max=row_of[N + E - 1])
     src = order.clamp(max=T - 1) if K == 1 else (order // K).clamp_(max=T - 1)  # each row's token (anchors: any)
     x_routed = _GatherRoutes.apply(x, src, route_rows, row_of[N:], K)  # [N + E, H], anchor rows zero
     w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)

@@ -14,7 +14,7 @@ capacity, losses and statistics the same way for every gate, so a gate of your o
 and, when the load-balancing loss should count routes other than "1/K for each route", `assignment`.
 
 Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
-`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, and per gate `router_random_routing` and
+`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, `router_dtype` (optional), and per gate `router_random_routing` and
 `router_random_routing_takes_capacity` (gshard), `norm_topk_prob` and `topk_weighting` (topk).
 
 Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
@@ -69,6 +69,7 @@ class Gate(nn.Module):
         self.eval_capacity_factor = config.eval_capacity_factor
         self.num_groups = config.router_num_groups
         self.jitter_noise = config.router_jitter_noise
+        self.float32_router = getattr(config, "router_dtype", None) == "float32"
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         nn.init.normal_(self.weight, std=getattr(config, "initializer_range", 0.02))
         self.generator: torch.Generator | None = None
@@ -123,8 +124,10 @@ class Gate(nn.Module):
         if self.training and self.jitter_noise > 0:
             # multiplicative jitter (Switch Transformer) on a copy: the caller's tensor is never modified
             x = x * (1.0 - self.jitter_noise + 2.0 * self.jitter_noise * self._uniform(x.shape, x.device))
-        # the router GEMM in the activations' dtype (as Transformers' MoE blocks); select() takes a float32 softmax
-        logits = F.linear(x, self.weight.to(x.dtype))  # [T, E]
+        # the router GEMM in the activations' dtype (as Transformers' MoE blocks) unless the config asks for float32;
+        # select() takes a float32 softmax either way
+        dtype = torch.float32 if self.float32_router else x.dtype
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         expert_ids, weights, probs = self.select(logits)
         selected = expert_ids
         if token_mask is not None:
