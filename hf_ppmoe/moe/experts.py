@@ -201,18 +201,29 @@ def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights:
     offset, where the kernels compute nothing and write nothing: no row there is ever read again, forward or
     backward, so nothing is masked. Weight gradients come from torch's own grouped GEMM autograd, in the
     parameters' layout. No shape depends on the routing: torch.compile traces one graph, and with torch's kernel
-    (`kernel=True`) nothing leaves the device."""
+    (`kernel=True`) nothing leaves the device.
+
+    A call without gradients and with few routes (decoding: fewer than 4 per expert, where most experts get none)
+    has one anchor only, in the block of the smallest expert it routes to: an anchor in every block would make the
+    kernel read every expert's weights, which is what bounds a decoding step."""
     T, K = expert_ids.shape
     E, N = experts.num_experts, expert_ids.numel()
-    anchors = torch.arange(E, device=x.device)
-    sorted_ids, order = torch.sort(torch.cat([expert_ids.reshape(-1), anchors]), stable=True)  # sentinels last
-    offsets = torch.searchsorted(sorted_ids, anchors, right=True, out_int32=True)  # end row of each expert's block
-    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(N + E, device=x.device))  # inverse permutation
-    # each route's row in the sorted order; a route that goes nowhere (sorted past every block) reads the last anchor,
-    # expert E-1's (stable sort: after that expert's routes, the last row of its block)
-    route_rows = row_of[:N].clamp(max=row_of[N + E - 1])
+    ids = expert_ids.reshape(-1)
+    experts_range = torch.arange(E, device=x.device)
+    few = not torch.is_grad_enabled() and N < 4 * E
+    anchors = expert_ids.amin().clamp(max=E - 1).view(1) if few else experts_range
+    sorted_ids, order = torch.sort(torch.cat([ids, anchors]), stable=True)  # sentinels last
+    offsets = torch.searchsorted(sorted_ids, experts_range, right=True, out_int32=True)  # end row of each block
+    A = anchors.numel()
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(N + A, device=x.device))  # inverse permutation
+    # each route's row in the sorted order; a route that goes nowhere (sorted past every block) reads an anchor: the
+    # last one, expert E-1's (stable sort: after that expert's routes, the last row of its block), or the only one
+    if few:
+        route_rows = torch.where(ids < E, row_of[:N], row_of[N])
+    else:
+        route_rows = row_of[:N].clamp(max=row_of[N + E - 1])
     src = order.clamp(max=T - 1) if K == 1 else (order // K).clamp_(max=T - 1)  # each row's token (anchors: any)
-    x_routed = _GatherRoutes.apply(x, src, route_rows, row_of[N:], K)  # [N + E, H], anchor rows zero
+    x_routed = _GatherRoutes.apply(x, src, route_rows, row_of[N:], K)  # [N + A, H], anchor rows zero
     w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
     if b_in is not None:  # masked: sentinel rows' undefined gradients must not reach expert E-1's biases
         valid, rows_expert = (sorted_ids < E).unsqueeze(-1), sorted_ids.clamp(max=E - 1)
