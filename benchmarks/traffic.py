@@ -63,18 +63,17 @@ INDEXED_INPLACE = {aten.index_fill_.int_Scalar, aten.index_put_.default, aten.in
 
 def indexed_inplace_bytes(func, args) -> int:
     self = args[0]
-    if func is aten.index_put_.default:
-        index = args[1][0]
+    if func is aten.index_put_.default:  # (indices, values, accumulate): whole rows of the first indexed dim
+        index, values = args[1][0], args[2]
         touched = index.numel() * math.prod(self.shape[1:])
-        return _bytes([index]) + 3 * touched * self.element_size()  # value, then the target read and written
-    if func is aten.index_fill_.int_Scalar:
-        dim, index = args[1], args[2]
+        return _bytes([index, values]) + 2 * touched * self.element_size()
+    dim, index = args[1], args[2]
+    source = [t for t in _tensors(args[3:])]
+    if func in (aten.scatter_.src, aten.scatter_.value, aten.scatter_add_.default):  # one element per index entry
+        touched = index.numel()
+    else:  # index_fill_, index_copy_, index_add_: whole slices along dim
         touched = index.numel() * self.numel() // max(1, self.shape[dim])
-        return _bytes([index]) + touched * self.element_size()
-    others = [t for t in _tensors(args[1:])]
-    touched = max(t.numel() for t in others) * (self.numel() // max(1, self.shape[args[1]]) if func in (
-        aten.index_copy_.default, aten.index_add_.default) else 1)
-    return _bytes(others) + 2 * touched * self.element_size()
+    return _bytes([index, *source]) + 2 * touched * self.element_size()
 
 
 def gemm_flops(func, args) -> float:
