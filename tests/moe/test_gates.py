@@ -330,3 +330,23 @@ def test_router_dtype_float32_keeps_the_router_gemm_in_float32():
     torch.testing.assert_close(r.router_logits, x.float() @ gate.weight.float().t(), rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="router_dtype='bfloat16'"):
         tiny_gpt_config(router_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("T,K,E,S", [(10, 2, 4, 10), (37, 2, 8, 10), (64, 1, 3, 7), (100, 4, 16, 25), (5, 2, 4, 3)])
+def test_positions_in_expert_follow_gshard_priority(T, K, E, S):
+    """Counted by a sort, against a literal loop: per group, every first route in token order, then every second..."""
+    from hf_ppmoe.moe import positions_in_expert
+
+    ids = torch.randint(0, E + 1, (T, K))  # E: sentinel
+    expected = torch.full((T, K), -1)
+    for g in range(0, T, S):
+        filled = [0] * E
+        for k in range(K):
+            for t in range(g, min(g + S, T)):
+                e = int(ids[t, k])
+                if e < E:
+                    expected[t, k] = filled[e]
+                    filled[e] += 1
+    got = positions_in_expert(ids, E, S)
+    routed = ids < E
+    assert torch.equal(got[routed], expected[routed])
