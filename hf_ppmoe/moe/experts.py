@@ -197,7 +197,7 @@ def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights:
 
     Every expert's block also holds one anchor row of zeros, so no block is empty (an empty group's weight gradient
     is the kernel's to decide, and some GPUs write garbage there) and a route that goes nowhere (dropped, padding, an
-    expert on another rank) reads the last anchor's exact-zero output with weight 0. Such routes sort past the last
+    expert on another rank) reads the last anchor's output, finite (zero without biases), with weight 0. Such routes sort past the last
     offset, where the kernels compute nothing and write nothing: no row there is ever read again, forward or
     backward, so nothing is masked. Weight gradients come from torch's own grouped GEMM autograd, in the
     parameters' layout. No shape depends on the routing: torch.compile traces one graph, and with torch's kernel

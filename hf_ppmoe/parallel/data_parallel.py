@@ -5,7 +5,8 @@ ranks (expert parallelism wider than the tensor-parallel group).
 parallelism: one FSDP group per decoder layer, the rest (embeddings, final norms, head) in the root group; HSDP on a
 (dp, fsdp) mesh with both > 1. With `parallelize(model, tp, ep=...)` (ep = k x tp) each MoE layer's experts are split
 over k tensor-parallel groups that read different batches and reached by Transformers' all-to-all
-(`AllToAllWithDrops`); FSDP shards each experts module over its copies (`ExpertMesh.replicas`).
+(expert_parallel.py: `AllToAllWithDrops`, `AllToAllDispatcher`); FSDP shards each experts module over its copies
+(`ExpertMesh.replicas`).
 
 docs/parallel.md says why FSDP2 rather than Transformers' or Accelerate's FSDP.
 """
@@ -18,37 +19,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface
 
 from .mesh import ExpertMesh
-from .modules import ExpertParallel, become
-
-ALL_TO_ALL = "all_to_all_with_drops"
-
-
-class AllToAllWithDrops(AllToAllEP):
-    """Transformers' all-to-all expert parallelism, for gates that drop routes too. A dropped route (sentinel id
-    `num_experts`, weight 0) would index past Transformers' per-expert counts; it is sent to this rank's own first
-    expert instead (no traffic, one wasted row per dropped route) and its weight 0 removes it from the output and
-    from every gradient."""
-
-    def __init__(self, experts, ep_mesh, tp_mesh):
-        super().__init__(experts, ep_mesh, tp_mesh)
-        n = self.num_local_experts
-        become(
-            experts, ExpertParallel, ALL_TO_ALL, ep_mesh,
-            first_expert=ep_mesh.get_local_rank() * n, num_global_experts=n * ep_mesh.size(),
-        )
-
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        n = self.num_local_experts
-        own_first = self.ep_mesh.get_local_rank() * n
-        top_k_index = top_k_index.masked_fill(top_k_index >= n * self.ep_mesh.size(), own_first)
-        return super().__call__(hidden_states, top_k_index, top_k_weights)
-
-
-EPImplementationInterface.register(ALL_TO_ALL, AllToAllWithDrops)
-
+from .modules import ExpertParallel
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards on: (dp, fsdp) (HSDP) when there are replicas, else (fsdp,)."""
