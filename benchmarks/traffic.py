@@ -8,7 +8,8 @@ Nothing is computed (meta tensors carry shapes only), so it runs in seconds on a
 operator that reaches the dispatcher is one kernel, except views and allocations (which launch none on a GPU).
 GEMMs (mm, addmm, bmm, grouped_mm) count FLOPs (a grouped GEMM as if every row were routed: dropless); every other
 kernel counts the bytes of its tensor arguments read and its outputs written; an indexed in-place kernel (index_put_,
-index_fill_, scatter_, ...) reads its index and source and the elements of its target they name. Both layers train as benchmarks/gpu.py trains them: `out.backward(ones)` from a leaf input.
+index_fill_, scatter_, ...) reads its index and source and the elements of its target they name. Both layers train
+as benchmarks/gpu.py trains them: `out.backward(ones)` from a leaf input.
 
 What it cannot see: fusion inside a kernel (a GPU kernel may read a tensor twice from cache), launch latency, and
 the GEMMs' own efficiency. It holds the line between GPU runs; the GPU decides (benchmarks/gpu.py).
@@ -192,7 +193,8 @@ def table(experts=(8, 32, 128), topk=(1, 2, 8), T=16384, H=2048, f=1408) -> tupl
     for E in experts:
         for k in topk:
             per_layer = {name: measure(build(H, f, E, k), T, H) for name, build in LAYERS.items()}
-            losses = count_train(ours(H, f, E, k), T, H).kernels - count_train(ours(H, f, E, k, losses=False), T, H).kernels
+            without = count_train(ours(H, f, E, k, losses=False), T, H).kernels
+            losses = per_layer["ours"]["train"].kernels - without
             for mode in ("train", "forward"):
                 a, b = per_layer["ours"][mode], per_layer["qwen3-grouped_mm"][mode]
                 results.update({(E, k, mode, "ours"): a, (E, k, mode, "qwen3-grouped_mm"): b})

@@ -14,7 +14,7 @@ It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K]
 (Transformers' `ExpertsInterface` with ours added), by the name `Experts.implementation` gives for the call:
 
 - `dispatch="index"` (PPMoE Algorithm 1, the default): the capability table (`kernels.CAPABILITIES`) picks
-  `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, weight, scatter back:
+  `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, gather back, weight:
   work proportional to the routes, no padding, no one-hot tensors) or, without gradients, `all_experts` /
   `cpu_decode` (decoding forms).
 - `dispatch="einsum"` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums
@@ -197,9 +197,9 @@ def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights:
 
     Every expert's block also holds one anchor row of zeros, so no block is empty (an empty group's weight gradient
     is the kernel's to decide, and some GPUs write garbage there) and a route that goes nowhere (dropped, padding, an
-    expert on another rank) reads the last anchor's output, finite (zero without biases), with weight 0. Such routes sort past the last
-    offset, where the kernels compute nothing and write nothing: no row there is ever read again, forward or
-    backward, so nothing is masked. Weight gradients come from torch's own grouped GEMM autograd, in the
+    expert on another rank: weight 0) reads the last anchor's output, finite (zero without biases). Such routes sort
+    past the last offset, where the kernels compute nothing and write nothing: no row there is ever read again,
+    forward or backward, so nothing is masked. Weight gradients come from torch's own grouped GEMM autograd, in the
     parameters' layout. No shape depends on the routing: torch.compile traces one graph, and with torch's kernel
     (`kernel=True`) nothing leaves the device.
 

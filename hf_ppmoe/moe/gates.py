@@ -14,8 +14,9 @@ capacity, losses and statistics the same way for every gate, so a gate of your o
 and, when the load-balancing loss should count routes other than "1/K for each route", `assignment`.
 
 Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
-`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, `router_dtype` (optional), and per gate `router_random_routing` and
-`router_random_routing_takes_capacity` (gshard), `norm_topk_prob` and `topk_weighting` (topk).
+`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, `router_dtype` (optional), and per gate
+`router_random_routing` and `router_random_routing_takes_capacity` (gshard), `norm_topk_prob` and `topk_weighting`
+(topk).
 
 Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
 set (else the default generator), so tensor-parallel ranks that share a seed draw the same numbers.
