@@ -40,14 +40,14 @@ def snippets(text: str) -> list[tuple[str, str, str | None]]:
     return found
 
 
-def prose(text: str) -> list[str]:
-    """The lines outside fenced blocks, with inline code removed."""
+def prose(text: str, keep_code: bool = False) -> list[str]:
+    """The lines outside fenced blocks, with inline code removed unless `keep_code`."""
     out, fence = [], False
     for line in text.split("\n"):
         if line.startswith("```"):
             fence = not fence
         elif not fence:
-            out.append(CODE_SPAN.sub("", line))
+            out.append(line if keep_code else CODE_SPAN.sub("", line))
     return out
 
 
@@ -60,7 +60,7 @@ def slug(heading: str) -> str:
 
 def anchors(page: Path) -> set[str]:
     seen: dict[str, int] = {}
-    for line in prose(page.read_text(encoding="utf-8")):
+    for line in prose(page.read_text(encoding="utf-8"), keep_code=True):
         if line.startswith("#"):
             base = slug(line.lstrip("#"))
             n = seen.get(base, 0)
@@ -91,6 +91,7 @@ def test_slug_rule():
     assert slug("Fine-tuning with Transformers' Trainer") == "fine-tuning-with-transformers-trainer"
     assert slug("LoRA / PEFT") == "lora--peft"
     assert slug("`python -m hf_ppmoe.training`") == "python--m-hf_ppmoetraining"
+    assert "python--m-hf_ppmoetraining" in anchors(ROOT / "docs" / "training.md")
 
 
 @pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
