@@ -5,7 +5,7 @@ Legend: T tokens, H hidden, I expert inner size, E experts, N rows (routes), sm 
 
 `CAPABILITIES` is read top to bottom; the first row that matches the device, compute capability, compute dtype,
 eager or compiled, gradients on or off and the number of tokens names the implementation. The dispatch
-(`Experts.implementation`), the GPU tests' expectations (tests/gpu) and the README's table all come from it:
+(`Experts.implementation`), the GPU tests' expectations (tests/gpu) and the table in docs/gpu.md all come from it:
 
 - `index_kernel`: PPMoE Algorithm 1 on `torch.nn.functional.grouped_mm` (device-side offsets: no host read).
 - `index_loop`:   the same algorithm on one opaque per-expert loop that reads the E offsets on the host.
@@ -135,7 +135,7 @@ def warn_if_no_grouped_mm() -> None:
 
 
 def capability_table() -> str:
-    """`CAPABILITIES` as the markdown table the README quotes."""
+    """`CAPABILITIES` as the markdown table docs/gpu.md quotes."""
 
     def names(values, fmt=str):
         return "any" if values is None else ", ".join(fmt(v) for v in values)

@@ -1,4 +1,4 @@
-"""`hf-ppmoe demo`: the README's main job, end to end on the built-in corpus (no download).
+"""`hf-ppmoe demo`: the main job of the README, end to end on the built-in corpus (no download).
 
 1. split the Python language reference that ships with CPython into training topics and a named held-out set, and
    train a small dense GPT-2 on the training topics;
