@@ -336,6 +336,7 @@ def training_section(args, device, dtype, timer, problems):
         graphs, breaks = dynamo_graphs()
         problems.append(graph_problem(f"training {name}", graphs, breaks, args.compile))
         results[name] = (ms, graphs, breaks, config, dense)
+        print(f"training {name}: {ms:.1f} ms/step, {graphs} graphs / {breaks} breaks", flush=True)
         del model, optimizer, compiled, step
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -382,6 +383,7 @@ def decode_section(args, device, dtype, timer, problems):
             graphs, breaks = dynamo_graphs()
             problems.append(graph_problem(f"decode {name} batch {B}", graphs, breaks, args.compile))
             results[name] = (ms, graphs, breaks)
+            print(f"decode {name} batch {B}: {ms:.1f} ms per generate, {graphs} graphs / {breaks} breaks", flush=True)
             del model
         for name, (ms, graphs, breaks) in results.items():
             vs = f"{results['dense backbone'][0] / ms:.2f}x" if "dense backbone" in results else "n/a"

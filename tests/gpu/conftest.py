@@ -1,5 +1,9 @@
-"""tests/gpu: run with `python -m pytest -q tests/gpu` on a CUDA machine (scripts/build_gpu_wheels.sh brings what a
-machine without network needs); skipped, with the reason, everywhere else."""
+"""tests/gpu: run with `python -m pytest -q tests/gpu` on a CUDA machine (`scripts/gpu_check.sh` runs them with the
+carried wheels and a report); skipped, with the reason, everywhere else. Each test gets GPU_TEST_TIMEOUT seconds
+(default 120; 0: none): a SIGALRM fails the test that hangs instead of the whole lent machine's time."""
+
+import os
+import signal
 
 import pytest
 import torch
@@ -12,3 +16,22 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def per_test_timeout(request):
+    seconds = int(os.environ.get("GPU_TEST_TIMEOUT", "120"))
+    if seconds <= 0 or not hasattr(signal, "SIGALRM"):
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TimeoutError(f"{request.node.nodeid} ran past GPU_TEST_TIMEOUT={seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
