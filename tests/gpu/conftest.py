@@ -9,12 +9,18 @@ import pytest
 import torch
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cpu_reference: a tests/gpu test that runs on CPU too (no CUDA needed)")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu compares CUDA against the CPU float32 reference)")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (tests/gpu compares CUDA against the CPU float64 reference)")
     for item in items:
-        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+        in_gpu = "tests/gpu/" in str(item.fspath).replace("\\", "/")
+        runs_on_cpu = item.get_closest_marker("cpu_reference") or item.name.startswith("test_the_comparison")
+        if in_gpu and not runs_on_cpu:
             item.add_marker(skip)
 
 
