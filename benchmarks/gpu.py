@@ -141,8 +141,9 @@ def dynamo_graphs() -> tuple[int, int]:
 
 
 def graph_problem(name: str, graphs: int, breaks: int, compiled: bool) -> str:
-    """'' when a compiled variant is one graph without breaks (or nothing was compiled), else what went wrong."""
-    if not compiled or (graphs <= 1 and breaks == 0):
+    """'' when a compiled variant is one graph without breaks (or nothing was compiled), else what went wrong.
+    Transformers' Qwen3-MoE is a reference, not ours: its graphs are reported, never held against the run."""
+    if not compiled or (graphs <= 1 and breaks == 0) or name.split()[1] == "Qwen3-MoE":
         return ""
     return (f"{name}: {graphs} graphs, {breaks} graph breaks under torch.compile (expected 1 graph, no break; "
             f"TORCH_LOGS=graph_breaks,recompiles shows where)")

@@ -112,6 +112,8 @@ def test_graph_count_sees_a_graph_break_and_is_fresh_per_variant(gpu):
     torch.compile(lambda x: x * 3)(torch.ones(3))
     assert gpu.dynamo_graphs() == (1, 0)
     assert gpu.graph_problem("training toy", 1, 0, True) == ""
+    assert gpu.graph_problem("decode Qwen3-MoE grouped_mm batch 1", 9, 8, True) == ""  # the reference: reported only
+    assert gpu.graph_problem("decode GPT-MoE batch 1", 9, 0, True) != ""  # a recompile of ours fails the run
 
 
 def test_training_section_times_each_model_alone_against_dense_and_qwen3(gpu):
