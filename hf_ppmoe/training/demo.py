@@ -43,7 +43,7 @@ HELD_OUT_EVERY = 10  # every 10th topic of the language reference (alphabetical 
 
 @dataclass
 class DemoArguments:
-    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go."})
+    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go.", "path": "output_folder"})
     dense_steps: int = field(default=150, metadata={"help": "Steps of dense pre-training."})
     finetune_steps: int = field(default=60, metadata={"help": "Steps of MoE (and dense) fine-tuning, per seed."})
     seeds: int = field(default=3, metadata={"help": "Fine-tuning runs of each model (data orders seed+1, seed+2, ...)."})
