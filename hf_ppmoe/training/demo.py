@@ -212,10 +212,11 @@ def run_demo(args: DemoArguments) -> Path:
 
     k = args.num_experts_per_tok
     layers = "every FFN" if args.moe_layer_frequency == 1 else f"one FFN in {args.moe_layer_frequency}"
-    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {layers}")
+    gate = f"gate `topk` (each token goes to the {k} experts its router scores highest, their weights renormalized)"
+    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {layers}; the router starts random")
     clock = time.perf_counter()
     dense = AutoModelForCausalLM.from_pretrained(root / "dense").eval()
-    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",
+    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",  # = `gate`
             router_init="random", moe_layer_frequency=args.moe_layer_frequency, seed=args.seed,
             save_directory=root / "moe-init", overwrite=True)
     moe = AutoModelForCausalLM.from_pretrained(root / "moe-init").eval()
@@ -323,8 +324,10 @@ training set; steps are {args.batch_size} sequences of {args.block_size} tokens.
 | upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {moe_row} |
 | dense GPT-2, FFN {wide} wide (the MoE's active parameters) | {_millions(wide_total)} | {_millions(wide_total)} |
 
-Upcycling copies the dense FFN into every expert: max |logit difference| between the fresh MoE and the dense model
-on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
+Upcycling copies the dense FFN into every expert and adds a router per MoE layer: {gate}. The router starts random
+(`router_init="random"`, seed {args.seed}) and learns which experts to use during fine-tuning; while the experts are
+identical copies whose weights sum to 1, the MoE computes the dense model's function whatever the router picks: max
+|logit difference| between the fresh MoE and the dense model on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
 
 ## Equal FLOPs per token: the MoE against a dense model of its active parameters
 
