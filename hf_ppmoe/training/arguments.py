@@ -77,6 +77,7 @@ class TrainArguments:
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts spread over it (PPMoE); WORLD_SIZE / tp_size replicas."})
     pp_size: int = field(default=1, metadata={"help": "Pipeline stages (GPT-MoE): layers cut into pp_size stages, the micro-steps are the pipeline's microbatches; WORLD_SIZE / (pp_size * tp_size) replicas."})
     fsdp_size: int = field(default=1, metadata={"help": "Processes that shard parameters, gradients and AdamW state (FSDP2); the other WORLD_SIZE / (fsdp_size * pp_size * tp_size) data-parallel processes are replicas of them (HSDP)."})
+    fsdp_reshard_after_forward: bool = field(default=True, metadata={"help": "FSDP2: free each layer's gathered parameters after its forward (--no_fsdp_reshard_after_forward: keep them until its backward, as FSDP1's SHARD_GRAD_OP / ZeRO-2: more memory, fewer all-gathers)."})
     ep_size: int | None = field(default=None, metadata={"help": "Processes every MoE layer's experts are split over (default tp_size: PPMoE on the tensor-parallel group). A multiple k * tp_size, with k dividing fsdp_size, spreads them over k tensor-parallel groups that read different batches (Transformers' all-to-all)."})
 
     def __post_init__(self):
