@@ -2,14 +2,17 @@
 
 Importing the package registers our configs and models with Transformers' Auto classes, and costs no more than
 `import transformers`: submodules and public names load on first use (module `__getattr__`, as Transformers' own
-`_LazyModule`), and the Auto classes learn our model types by name, resolving the classes from this package only
-when a model of ours is asked for (as Transformers' own models are). Resolving a model class also registers the plan
+`_LazyModule`), and the Auto classes learn our model types by name (once they are imported: now, or when they load
+later), resolving the classes from this package only when a model of ours is asked for (as Transformers' own models
+are). Resolving a model class also registers the plan
 styles our configs name ("ppmoe_ffn", ...) with Transformers (`hf_ppmoe.parallel`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.util
 import sys
 
 __version__ = "0.1.0"
@@ -96,5 +99,33 @@ def _register_classes() -> None:
             autos[auto].register(config, __getattr__(model_name), exist_ok=True)
 
 
-if not _register_by_name():
-    _register_classes()
+def _register() -> None:
+    if not _register_by_name():
+        _register_classes()
+
+
+class _RegisterWhenAutoLoads(importlib.abc.MetaPathFinder):
+    """Runs `_register` right after Transformers' Auto classes (transformers.models.auto) are imported, so that
+    `import hf_ppmoe` alone imports neither Transformers nor torch (the `hf-ppmoe` commands answer `--help` and
+    refuse bad flags before torch loads) and the Auto classes still know our models whenever they are used."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _AUTO:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_AUTO = "transformers.models.auto"
+if _AUTO in sys.modules:
+    _register()
+elif not any(isinstance(finder, _RegisterWhenAutoLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenAutoLoads())

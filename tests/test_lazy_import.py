@@ -1,12 +1,13 @@
-"""Issue 31 item 4: `import hf_ppmoe` is light (submodules load on first use) and still registers our models with
-the Auto classes; run in fresh interpreters, since this process has imported everything already."""
+"""Issue 31 item 4: `import hf_ppmoe` is light (submodules load on first use; the Auto classes learn our models when
+Transformers loads them) and still registers our models with the Auto classes; `hf-ppmoe train --help` and its flag
+errors come before torch is imported. Run in fresh interpreters: this process has imported everything already."""
 
 import json
 import os
 import subprocess
 import sys
 
-HEAVY = ("torch.distributed.tensor", "transformers.modeling_utils", "hf_ppmoe.modeling", "hf_ppmoe.moe",
+HEAVY = ("torch", "transformers", "torch.distributed.tensor", "transformers.modeling_utils", "hf_ppmoe.modeling", "hf_ppmoe.moe",
          "hf_ppmoe.parallel", "hf_ppmoe.modeling.modeling_gpt_moe", "datasets", "matplotlib", "accelerate")
 
 
@@ -57,3 +58,29 @@ config = AutoConfig.for_model("gpt_moe", vocab_size=64, hidden_size=32, num_hidd
 print(json.dumps(type(AutoModelForCausalLM.from_config(config)).__name__))
 """
     assert json.loads(_python(code)) == "GPTMoEForCausalLM"
+
+
+def test_models_register_also_when_the_auto_classes_were_imported_first(tmp_path):
+    code = """
+from transformers import AutoConfig, AutoModelForCausalLM
+import hf_ppmoe, json
+config = AutoConfig.for_model("gpt_moe", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_experts=2, num_experts_per_tok=1)
+print(json.dumps(type(AutoModelForCausalLM.from_config(config)).__name__))
+"""
+    assert json.loads(_python(code)) == "GPTMoEForCausalLM"
+
+
+def test_train_help_and_flag_errors_come_before_torch(tmp_path):
+    (tmp_path / "file").write_text("")
+    code = f"""
+import json, sys, contextlib, io, hf_ppmoe_cli
+codes = []
+for argv in (["train", "--help"], ["train", "--output_dir", {str(tmp_path / "file")!r}], ["train", "--no_such_flag"]):
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            codes.append(hf_ppmoe_cli.main(argv))
+        except SystemExit as exit:
+            codes.append(exit.code)
+print(json.dumps([codes, "torch" in sys.modules]))
+"""
+    assert json.loads(_python(code)) == [[0, 2, 2], False]

@@ -7,8 +7,6 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import data_files
-
 
 @dataclass
 class TrainArguments:
@@ -97,6 +95,8 @@ class TrainArguments:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"--{name} {path} does not exist; pass a JSON file written by config.save_pretrained.")
+        from .data import data_files  # torch: not needed to parse or refuse flags
+
         for files in (self.train_file, self.validation_file):
             if files:
                 data_files(files)
