@@ -21,9 +21,12 @@ def run(command: str, rest: list[str]) -> int:
 
         return megatron(rest, prog="hf-ppmoe megatron")
     if command == "demo":
-        from .training.demo import DemoArguments, run_demo
+        from .training.demo_arguments import DemoArguments
 
-        run_demo(parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=COMMANDS["demo"]))
+        args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=COMMANDS["demo"])
+        from .training.demo import run_demo  # torch: after the flags were checked
+
+        run_demo(args)
         return 0
 
     from .conversion.commands import COMMANDS as CONVERSIONS

@@ -19,8 +19,8 @@ def _help(text: str) -> dict:
 
 @dataclass
 class _Paths:
-    source: str = field(metadata=_help("Model folder (or Hub id) to convert."))
-    output: str = field(metadata=_help("Output folder; must not exist yet unless --overwrite."))
+    source: str = field(metadata={**_help("Model folder (or Hub id) to convert."), "path": "model"})
+    output: str = field(metadata={**_help("Output folder; must not exist yet unless --overwrite."), "path": "output_folder"})
 
 
 @dataclass
@@ -31,9 +31,7 @@ class _Output:
     def __post_init__(self):
         """Refuse, before anything is read, what the conversion would refuse only at its end (ValueError)."""
         parse_size(self.max_shard_size)
-        output = Path(self.output)
-        if output.is_file():
-            raise ValueError(f"{output} is a file; the output must be a folder.")
+        output = Path(self.output)  # a file or an unwritable place: utils.paths, after this
         if output.is_dir() and any(output.iterdir()) and not self.overwrite:
             raise ValueError(f"{output} already exists; choose a new output folder or pass --overwrite.")
 
@@ -53,7 +51,7 @@ class UpcycleArguments(_Output, _Paths):
     decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
     router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
-    sample_file: str | None = field(default=None, metadata=_help("router_init=hidden: a file with one text per expert, one per line."))
+    sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line."), "path": "input_file"})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
@@ -78,7 +76,7 @@ class MergeArguments(_Output, _Paths):
     method: str = field(default="mean", metadata=_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."))
     expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
-    sample_file: str | None = field(default=None, metadata=_help("method=usage: a file of texts, one per line."))
+    sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line."), "path": "input_file"})
 
 
 @dataclass

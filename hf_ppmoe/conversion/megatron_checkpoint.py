@@ -473,8 +473,8 @@ def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = T
 
 @dataclass
 class ToMegatronArguments:
-    source: str = field(metadata={"help": "GPT-MoE folder to convert."})
-    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite."})
+    source: str = field(metadata={"help": "GPT-MoE folder to convert.", "path": "input_folder"})
+    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite.", "path": "output_folder"})
     tp: int = field(default=1, metadata={"help": "Tensor-parallel size (= expert-parallel size)."})
     pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
     make_vocab_size_divisible_by: int = field(default=128, metadata={"help": "As Megatron-LM's argument."})
@@ -488,9 +488,9 @@ class ToMegatronArguments:
 
 @dataclass
 class ToHFArguments:
-    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert."})
-    output: str = field(metadata={"help": "GPT-MoE folder to write."})
-    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model."})
+    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert.", "path": "input_folder"})
+    output: str = field(metadata={"help": "GPT-MoE folder to write.", "path": "output_folder"})
+    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model.", "path": "input"})
     trust_checkpoint: bool = field(
         default=False, metadata={"help": "Allow pickled Python objects (Megatron-LM's args) when loading."}
     )

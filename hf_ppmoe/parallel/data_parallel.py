@@ -28,18 +28,20 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "fsdp"] if mesh["dp"].size() > 1 else mesh["fsdp"]
 
 
-def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh | None = None) -> nn.Module:
+def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh | None = None, *,
+                      reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 on `module` (a model or a `Pipeline` stage) over the dp and fsdp dims of a `make_mesh` mesh, after any
     tensor / expert parallelism (see the module docstring); returns it. Build the optimizer afterwards: the
     parameters become sharded DTensors. `experts`: the `expert_mesh` the model's experts were split on with
-    `parallelize(..., ep=experts.ep)`."""
+    `parallelize(..., ep=experts.ep)`. `reshard_after_forward=False` keeps each layer's gathered parameters from its
+    forward to its backward (ZeRO-2, FSDP1's SHARD_GRAD_OP: more memory, one all-gather per layer fewer)."""
     shard_mesh = data_parallel_mesh(mesh)
     if experts is not None:
         data_parallel = mesh["dp"].size() * mesh["fsdp"].size()
         copies = experts.replicas["efsdp"].size()
         for m in module.modules():
             if isinstance(m, ExpertParallel):  # split by Transformers' grouped_gemm rule on experts.ep
-                fully_shard(m, mesh=experts.replicas)
+                fully_shard(m, mesh=experts.replicas, reshard_after_forward=reshard_after_forward)
                 m.set_gradient_divide_factor(float(data_parallel))
                 # FSDP applies a divide factor other than the group size with PREMUL_SUM, which gloo lacks (and NCCL
                 # zeroes in bf16, pytorch#190747): sum, then divide locally. Without a reduce-scatter (one copy) FSDP
@@ -49,8 +51,8 @@ def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh |
     for name, layers in module.named_modules():
         if isinstance(layers, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
             for layer in layers:
-                fully_shard(layer, mesh=shard_mesh)
-    return fully_shard(module, mesh=shard_mesh)
+                fully_shard(layer, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:

@@ -101,11 +101,11 @@ def test_decoding_step_on_meta_reads_nothing_on_the_host(family, dtype, no_eager
             step = dict(encoder_outputs=encoder, attention_mask=inputs["attention_mask"])
             out = model(**step, decoder_input_ids=inputs["input_ids"][:, :5], use_cache=True)
             out = model(**step, decoder_input_ids=inputs["input_ids"][:, :1],
-                        past_key_values=out.past_key_values, use_cache=True)
+                        cache=out.past_key_values, use_cache=True)
         else:
             out = model(**inputs, use_cache=True)
             mask = torch.ones(2, 9, dtype=torch.long, device="meta")
-            out = model(input_ids=inputs["input_ids"][:, :1], attention_mask=mask, past_key_values=out.past_key_values,
+            out = model(input_ids=inputs["input_ids"][:, :1], attention_mask=mask, cache=out.past_key_values,
                         use_cache=True)
     assert out.logits.shape[:2] == (2, 1)
     assert set(implementations) == ({"all_experts"} if dtype == torch.float32 else {"index_kernel"})
