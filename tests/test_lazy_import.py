@@ -1,6 +1,6 @@
 """Issue 31 item 4: `import hf_ppmoe` is light (submodules load on first use; the Auto classes learn our models when
 Transformers loads them) and still registers our models with the Auto classes; `hf-ppmoe train|demo --help` and
-their flag errors come before torch is imported. Run in fresh interpreters: this process has imported everything already."""
+their flag errors, and those of the conversion commands, come before torch is imported. Run in fresh interpreters: this process has imported everything already."""
 
 import json
 import os
@@ -70,13 +70,18 @@ print(json.dumps(type(AutoModelForCausalLM.from_config(config)).__name__))
     assert json.loads(_python(code)) == "GPTMoEForCausalLM"
 
 
-def test_train_and_demo_help_and_flag_errors_come_before_torch(tmp_path):
+def test_every_command_help_and_flag_errors_come_before_torch(tmp_path):
     (tmp_path / "file").write_text("")
+    file, missing = str(tmp_path / "file"), str(tmp_path / "missing")
     code = f"""
 import json, sys, contextlib, io, hf_ppmoe_cli
 codes = []
-for argv in (["train", "--help"], ["train", "--output_dir", {str(tmp_path / "file")!r}], ["train", "--no_such_flag"],
-             ["demo", "--help"], ["demo", "--output_dir", {str(tmp_path / "file")!r}], ["demo", "--seeds", "0"]):
+for argv in (["train", "--help"], ["train", "--output_dir", {file!r}], ["train", "--no_such_flag"],
+             ["demo", "--help"], ["demo", "--output_dir", {file!r}], ["demo", "--seeds", "0"],
+             ["upcycle", "--help"], ["upcycle", {missing!r}, "out", "--num_experts", "x"], ["merge", "--help"],
+             ["merge", {missing!r}, "out"], ["import", "--help"], ["export", "--help"],
+             ["export", {missing!r}, "out", "--to", "nothing"], ["megatron", "--help"], ["megatron", "to-hf", "--help"],
+             ["megatron", "to-megatron", {missing!r}, "out"]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             codes.append(hf_ppmoe_cli.main(argv))
@@ -84,4 +89,4 @@ for argv in (["train", "--help"], ["train", "--output_dir", {str(tmp_path / "fil
             codes.append(exit.code)
 print(json.dumps([codes, "torch" in sys.modules]))
 """
-    assert json.loads(_python(code)) == [[0, 2, 2, 0, 2, 2], False]
+    assert json.loads(_python(code)) == [[0, 2, 2, 0, 2, 2, 0, 2, 0, 2, 0, 0, 2, 0, 0, 2], False]

@@ -48,6 +48,7 @@ import torch
 
 from ..modeling import GPTMoEConfig, Seq2SeqMoEConfig
 from .architectures import ARCHITECTURES, _llama_names, expert_rules
+from .choices import EXPORT_CLASSES
 from .io import open_checkpoint
 from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
 from .pipeline import deliver, expected_tensors
@@ -399,13 +400,13 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in [
-        Target("mixtral", GPTMoEConfig.model_type, "MixtralForCausalLM", _mixtral_reasons, _mixtral_config,
+        Target("mixtral", GPTMoEConfig.model_type, EXPORT_CLASSES["mixtral"], _mixtral_reasons, _mixtral_config,
                _imported("mixtral")),
-        Target("qwen2_moe", GPTMoEConfig.model_type, "Qwen2MoeForCausalLM", _qwen2_moe_reasons, _qwen2_moe_config,
+        Target("qwen2_moe", GPTMoEConfig.model_type, EXPORT_CLASSES["qwen2_moe"], _qwen2_moe_reasons, _qwen2_moe_config,
                _qwen2_moe_mapping),
-        Target("qwen3_moe", GPTMoEConfig.model_type, "Qwen3MoeForCausalLM", _qwen3_moe_reasons, _qwen3_moe_config,
+        Target("qwen3_moe", GPTMoEConfig.model_type, EXPORT_CLASSES["qwen3_moe"], _qwen3_moe_reasons, _qwen3_moe_config,
                _imported("qwen3_moe")),
-        Target("switch_transformers", Seq2SeqMoEConfig.model_type, "SwitchTransformersForConditionalGeneration",
+        Target("switch_transformers", Seq2SeqMoEConfig.model_type, EXPORT_CLASSES["switch_transformers"],
                _switch_reasons, _switch_config, _imported("switch_transformers")),
     ]
 }
