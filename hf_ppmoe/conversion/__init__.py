@@ -20,8 +20,8 @@ _NAMES = {
     "ConversionError": "mapping", "Mapping": "mapping", "Rule": "mapping",
     "MERGE_METHODS": "choices", "ROUTER_INITS": "choices",
     "expert_usage": "merge", "merge_experts": "merge",
-    "expert_output_scale": "upcycle", "experts_mapping": "upcycle", "gate_renormalizes": "upcycle",
-    "import_moe": "upcycle", "moe_ffns": "upcycle", "upcycle": "upcycle",
+    "expert_output_scale": "upcycling", "experts_mapping": "upcycling", "gate_renormalizes": "upcycling",
+    "import_moe": "upcycling", "moe_ffns": "upcycling", "upcycle": "upcycling",
 }
 
 __all__ = sorted(_NAMES)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 from .choices import EXPORT_CLASSES, MERGE_METHODS, ROUTER_INITS, default_experts_per_token, parse_size
@@ -17,8 +18,9 @@ def _help(text: str) -> dict:
 
 @dataclass
 class _Paths:
-    source: str = field(metadata={**_help("Model folder (or Hub id) to convert."), "path": "model"})
-    output: str = field(metadata={**_help("Output folder; must not exist yet unless --overwrite."), "path": "output_folder"})
+    PATHS: ClassVar[dict] = {"source": "model", "output": "output_folder"}  # checked before any work (utils.paths)
+    source: str = field(metadata={**_help("Model folder (or Hub id) to convert.")})
+    output: str = field(metadata={**_help("Output folder; must not exist yet unless --overwrite.")})
 
 
 @dataclass
@@ -36,6 +38,7 @@ class _Output:
 
 @dataclass
 class UpcycleArguments(_Output, _Paths):
+    PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
     num_experts: int = field(default=8, metadata=_help("Experts per MoE layer."))
     num_experts_per_tok: int | None = field(default=None, metadata=_help("Routes per token (default: 1 for switch, else 2)."))
     router_type: str = field(default="topk", metadata=_help("Gate: topk, switch, gshard, prototype, or a registered one."))
@@ -49,7 +52,7 @@ class UpcycleArguments(_Output, _Paths):
     decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
     router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
-    sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line."), "path": "input_file"})
+    sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
@@ -73,10 +76,11 @@ class UpcycleArguments(_Output, _Paths):
 
 @dataclass
 class MergeArguments(_Output, _Paths):
+    PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
     method: str = field(default="mean", metadata=_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."))
     expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
-    sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line."), "path": "input_file"})
+    sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line.")})
 
 
 @dataclass
@@ -112,7 +116,7 @@ def _stack_placement(args: UpcycleArguments) -> dict:
 
 
 def run_upcycle(args: UpcycleArguments) -> Path:
-    from .upcycle import upcycle
+    from .upcycling import upcycle
 
     return upcycle(
         args.source,
@@ -151,7 +155,7 @@ def run_merge(args: MergeArguments) -> Path:
 
 
 def run_import(args: ImportArguments) -> Path:
-    from .upcycle import import_moe
+    from .upcycling import import_moe
 
     return import_moe(
         args.source, save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
@@ -180,8 +184,9 @@ COMMANDS = {
 
 @dataclass
 class ToMegatronArguments:
-    source: str = field(metadata={"help": "GPT-MoE folder to convert.", "path": "input_folder"})
-    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite.", "path": "output_folder"})
+    PATHS: ClassVar[dict] = {"source": "input_folder", "output": "output_folder"}  # checked before any work (utils.paths)
+    source: str = field(metadata={"help": "GPT-MoE folder to convert."})
+    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite."})
     tp: int = field(default=1, metadata={"help": "Tensor-parallel size (= expert-parallel size)."})
     pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
     make_vocab_size_divisible_by: int = field(default=128, metadata={"help": "As Megatron-LM's argument."})
@@ -195,9 +200,10 @@ class ToMegatronArguments:
 
 @dataclass
 class ToHFArguments:
-    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert.", "path": "input_folder"})
-    output: str = field(metadata={"help": "GPT-MoE folder to write.", "path": "output_folder"})
-    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model.", "path": "input"})
+    PATHS: ClassVar[dict] = {"source": "input_folder", "output": "output_folder", "config": "input"}  # checked before any work (utils.paths)
+    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert."})
+    output: str = field(metadata={"help": "GPT-MoE folder to write."})
+    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model."})
     trust_checkpoint: bool = field(
         default=False, metadata={"help": "Allow pickled Python objects (Megatron-LM's args) when loading."}
     )

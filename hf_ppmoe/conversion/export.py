@@ -53,7 +53,7 @@ from .io import open_checkpoint
 from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
 from .pipeline import deliver, expected_tensors
 from .t5 import switch_sparse_layers
-from .upcycle import moe_config_loader
+from .upcycling import moe_config_loader
 
 # Switch Transformers drops tokens past `expert_capacity` per expert and sequence, in evaluation too; ours is dropless
 DROPLESS_EXPERT_CAPACITY = 2**31 - 1

@@ -21,7 +21,7 @@ from .choices import MERGE_METHODS
 from .io import open_checkpoint
 from .mapping import ConversionError
 from .pipeline import deliver
-from .upcycle import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
+from .upcycling import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
 
 
 

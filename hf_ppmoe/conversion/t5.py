@@ -1,7 +1,7 @@
 """T5 (v1.0, v1.1) and Switch Transformers -> Seq2Seq-MoE: config translation and weight-name tables.
 
 A T5 becomes a Seq2Seq-MoE whose logits and generations equal T5's; upcycling then turns its chosen FFNs into MoE
-layers (upcycle.py). Weights are only renamed ({s}: encoder or decoder; FFN sublayer f: 1 in the encoder, 2 in the
+layers (upcycling.py). Weights are only renamed ({s}: encoder or decoder; FFN sublayer f: 1 in the encoder, 2 in the
 decoder):
 
     shared                                        model.shared  (both stacks' embed_tokens are tied to it)

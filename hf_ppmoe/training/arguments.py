@@ -5,34 +5,41 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import ClassVar
 from pathlib import Path
 
 
 @dataclass
 class TrainArguments:
+    # path kinds, checked before any work (utils.paths); "latest" is a word --resume takes, not a path
+    PATHS: ClassVar[dict] = {
+        "model_name_or_path": "model", "config_name": "input_file", "upcycle_from": "model", "tokenizer_name": "model",
+        "train_file": "input_file", "validation_file": "input_file", "dataset_name": "model",
+        "data_cache_dir": "output_folder", "output_dir": "output_folder", "resume": ("input_folder", ("latest",)),
+    }
     # ---- model: exactly one of model_name_or_path / config_name / upcycle_from (none: a small default GPT-MoE)
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a causal LM (GPT-MoE or dense) to continue training.", "path": "model"})
-    config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch.", "path": "input_file"})
-    upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle.", "path": "model"})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a causal LM (GPT-MoE or dense) to continue training."})
+    config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch."})
+    upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle."})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer (upcycling / default model)."})
     num_experts_per_tok: int = field(default=2, metadata={"help": "Routes per token (upcycling / default model)."})
     router_type: str = field(default="topk", metadata={"help": "Gate for upcycling / the default model."})
     router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
     expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's).", "path": "model"})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
 
     # ---- data (blocks.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
-    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet.", "path": "input_file"})
-    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train).", "path": "input_file"})
+    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet."})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train)."})
     validation_split_percentage: int = field(default=5, metadata={"help": "Without --validation_file: the last N%% of the training blocks (with --streaming: the documents whose CRC-32 %% 100 < N) are held out."})
-    dataset_name: str | None = field(default=None, metadata={"help": "A folder written by Dataset.save_to_disk, or a `datasets` dataset name (the local cache; streamed from the Hub with --streaming).", "path": "model"})
+    dataset_name: str | None = field(default=None, metadata={"help": "A folder written by Dataset.save_to_disk, or a `datasets` dataset name (the local cache; streamed from the Hub with --streaming)."})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     text_column: str = field(default="text", metadata={"help": "Field holding the text (jsonl / datasets)."})
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training sequence."})
     streaming: bool = field(default=False, metadata={"help": "Pack the documents on the fly (corpora larger than RAM or disk) instead of preparing them into the cache; each data-parallel rank reads its own part, and the stream position is saved in every checkpoint."})
     shuffle_buffer_size: int = field(default=1000, metadata={"help": "--streaming: blocks drawn at random from a buffer of this many."})
-    data_cache_dir: str | None = field(default=None, metadata={"help": "Where prepared blocks are cached (default: HF_DATASETS_CACHE/hf_ppmoe_blocks).", "path": "output_folder"})
+    data_cache_dir: str | None = field(default=None, metadata={"help": "Where prepared blocks are cached (default: HF_DATASETS_CACHE/hf_ppmoe_blocks)."})
     # ---- seq2seq data (a Seq2Seq-MoE / encoder-decoder model; none given: the built-in standard-library task)
     source_column: str = field(default="source", metadata={"help": "Seq2seq: the column of the source texts (jsonl / csv / parquet / datasets)."})
     target_column: str = field(default="target", metadata={"help": "Seq2seq: the column of the target texts."})
@@ -44,7 +51,7 @@ class TrainArguments:
     generation_eval_pairs: int = field(default=64, metadata={"help": "Seq2seq: validation pairs generated for chrF / BLEU at the end (0: all)."})
 
     # ---- optimisation
-    output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model.", "path": "output_folder"})
+    output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model."})
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step (with --pp_size: the pipeline's microbatches)."})
@@ -64,7 +71,7 @@ class TrainArguments:
     eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (0: all)."})
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N steps."})
     checkpointing_steps: int = field(default=0, metadata={"help": "Save Accelerate state every N steps (0: never)."})
-    resume: str | None = field(default=None, metadata={"help": "'latest' (the newest checkpoint of the run that last trained in output_dir) or a checkpoint folder to continue from.", "path": "input_folder", "path_words": ("latest",)})
+    resume: str | None = field(default=None, metadata={"help": "'latest' (the newest checkpoint of the run that last trained in output_dir) or a checkpoint folder to continue from."})
     allow_resume_changes: list[str] | None = field(default=None, metadata={"help": "Resume although these settings differ from the checkpoint's (names as the refusal lists them, e.g. learning_rate max_steps config.router_type data); the changes are logged."})
     report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata={"help": "Trackers: jsonl plus any Accelerate tracker (tensorboard, wandb, ...)."})
     plots: bool = field(default=True, metadata={"help": "Write PNG plots of loss and expert load at the end."})

@@ -2,11 +2,13 @@
 errors print before torch is imported."""
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 
 @dataclass
 class DemoArguments:
-    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go.", "path": "output_folder"})
+    PATHS: ClassVar[dict] = {"output_dir": "output_folder"}  # checked before any work (utils.paths)
+    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go."})
     dense_steps: int = field(default=150, metadata={"help": "Steps of dense pre-training."})
     finetune_steps: int = field(default=60, metadata={"help": "Steps of MoE (and dense) fine-tuning, per seed."})
     seeds: int = field(default=3, metadata={"help": "Fine-tuning runs of each model (data orders seed+1, seed+2, ...)."})

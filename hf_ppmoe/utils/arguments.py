@@ -18,8 +18,7 @@ T = TypeVar("T")
 
 
 def _options(arguments: type, skip: tuple[str, ...]) -> type:
-    """`arguments` without the fields in `skip` (those become positional arguments), and without the metadata that
-    is ours rather than argparse's (`path`, `path_words`: see utils.paths)."""
+    """`arguments` without the fields in `skip` (those become positional arguments)."""
     kept = []
     for f in dataclasses.fields(arguments):
         if f.name in skip:
@@ -27,8 +26,7 @@ def _options(arguments: type, skip: tuple[str, ...]) -> type:
         default = {"default": f.default} if f.default is not dataclasses.MISSING else {}
         if f.default_factory is not dataclasses.MISSING:
             default = {"default_factory": f.default_factory}
-        metadata = {k: v for k, v in f.metadata.items() if k not in ("path", "path_words")}
-        kept.append((f.name, f.type, dataclasses.field(metadata=metadata, **default)))
+        kept.append((f.name, f.type, dataclasses.field(metadata=f.metadata, **default)))
     options = dataclasses.make_dataclass(arguments.__name__, kept)
     options.__module__ = arguments.__module__  # its string annotations resolve in the original's module
     return options
@@ -53,7 +51,7 @@ def parse_arguments(arguments: type[T], argv: list[str] | None, *, prog: str, de
                     positionals: dict[str, str] = {}) -> T:
     """argv -> an `arguments` instance. Unknown flags, missing positionals and values the dataclass refuses (a
     ValueError or TypeError from its constructor) end as `prog: error: ...` with exit code 2; so does a path field
-    (metadata "path", see `utils.paths`) that is missing, of the wrong kind or not writable: one line."""
+    (its class's `PATHS`, see `utils.paths`) that is missing, of the wrong kind or not writable: one line."""
     parser = build_parser(arguments, prog=prog, description=description, positionals=positionals)
     namespace, rest = parser.parse_known_args(argv)
     if rest:
@@ -63,7 +61,7 @@ def parse_arguments(arguments: type[T], argv: list[str] | None, *, prog: str, de
         parsed = arguments(**{name: value for name, value in vars(namespace).items() if name in names})
     except (TypeError, ValueError) as error:
         parser.error(str(error))
-    problem = paths_problem(dataclasses.fields(arguments), vars(parsed), positionals)
+    problem = paths_problem(arguments, vars(parsed), positionals)
     if problem:
         print(f"{prog}: error: {problem}", file=sys.stderr)
         raise SystemExit(2)

@@ -1,7 +1,9 @@
 """The one check of every path a command takes, run on the parsed flags before any work (see
-`utils.arguments.parse_arguments`): an argument dataclass field names its kind in its metadata,
-`field(..., metadata={"help": ..., "path": "output_folder"})`, and a wrong path ends as one `PROG: error: ...` line
-with exit code 2, before anything is read or written. Standard library only: the check runs before torch is imported.
+`utils.arguments.parse_arguments`): an argument dataclass names the kind of each path field in a class attribute,
+`PATHS: ClassVar[dict] = {"output_dir": "output_folder", "resume": ("input_folder", ("latest",))}` (a kind, or a
+kind and the words that field takes that are not paths; subclasses add theirs), so the dataclass stays one that
+Transformers' `HfArgumentParser` takes as it is; a wrong path ends as one `PROG: error: ...` line with exit code 2,
+before anything is read or written. Standard library only: the check runs before torch is imported.
 
 Kinds:
   input_file     an existing readable file (a glob: it matches at least one, every match a file)
@@ -71,18 +73,25 @@ def path_problem(value: str, kind: str, flag: str) -> str | None:
     return None
 
 
-def paths_problem(fields, values: dict, positionals: dict[str, str] = {}) -> str | None:
-    """The first problem among the path fields of an argument dataclass (`fields`: dataclasses.fields) given their
-    parsed `values` by name (`positionals`: field name -> metavar, e.g. SRC); a field's metadata `path_words` lists
-    words that are not paths (e.g. `latest`)."""
-    for f in fields:
-        kind = f.metadata.get("path")
-        value = values.get(f.name)
-        if kind is None or value is None:
+def path_kinds(arguments: type) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """{field: (kind, words that are not paths)} of an argument dataclass and its bases (`PATHS`)."""
+    kinds = {}
+    for cls in reversed(arguments.__mro__):
+        for name, kind in vars(cls).get("PATHS", {}).items():
+            kinds[name] = (kind, ()) if isinstance(kind, str) else kind
+    return kinds
+
+
+def paths_problem(arguments: type, values: dict, positionals: dict[str, str] = {}) -> str | None:
+    """The first problem among the path fields of the argument dataclass `arguments` given their parsed `values` by
+    name (`positionals`: field name -> metavar, e.g. SRC)."""
+    for name, (kind, words) in path_kinds(arguments).items():
+        value = values.get(name)
+        if value is None:
             continue
-        flag = positionals.get(f.name, f"--{f.name}")
+        flag = positionals.get(name, f"--{name}")
         for item in value if isinstance(value, (list, tuple)) else [value]:
-            if item in f.metadata.get("path_words", ()):
+            if item in words:
                 continue
             problem = path_problem(str(item), kind, flag)
             if problem:
