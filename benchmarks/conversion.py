@@ -2,7 +2,7 @@
 
     python benchmarks/conversion.py [--experts 8] [--workdir /tmp/hf-ppmoe-conversion-bench]
 
-Builds and saves the dense model once, then runs each conversion in a fresh process (`hf_ppmoe.cli.main`, as the
+Builds and saves the dense model once, then runs each conversion in a fresh process (`hf_ppmoe_cli.main`, as the
 `hf-ppmoe` command does) and reports, for that process: the conversion's wall time (imports excluded), its CPU time
 (user + system, imports included), its peak RSS, and its peak anonymous memory, next to the size of the weights it
 writes. `hf-ppmoe upcycle` streams: it reads source tensors lazily with safe_open (memory-mapped) and computes and
@@ -23,8 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
-IMPORTS = "import sys, time, hf_ppmoe.cli, hf_ppmoe.conversion; t = time.perf_counter(); "
-CLI = IMPORTS + "rc = hf_ppmoe.cli.main(sys.argv[1:]); print('SECONDS', time.perf_counter() - t); sys.exit(rc)"
+IMPORTS = "import sys, time, hf_ppmoe_cli, hf_ppmoe.conversion; t = time.perf_counter(); "
+CLI = IMPORTS + "rc = hf_ppmoe_cli.main(sys.argv[1:]); print('SECONDS', time.perf_counter() - t); sys.exit(rc)"
 BASELINE = IMPORTS + "print('SECONDS', 0.0)"
 IN_MEMORY = IMPORTS + (
     "m = hf_ppmoe.conversion.upcycle(sys.argv[1], num_experts=int(sys.argv[2]), moe_layer_frequency=1); "
@@ -92,7 +92,7 @@ def main() -> None:
     print(f"source: GPT-2 small, {params / 1e6:.0f}M parameters, {weights_gib(work / 'gpt2'):.2f} GiB of safetensors")
 
     src, E = str(work / "gpt2"), str(args.experts)
-    rows = [("baseline: `import hf_ppmoe.cli, hf_ppmoe.conversion` only", *measure(BASELINE), 0.0)]
+    rows = [("baseline: `import hf_ppmoe_cli, hf_ppmoe.conversion` only", *measure(BASELINE), 0.0)]
     runs = [
         ("`hf-ppmoe upcycle`, every FFN MoE", "moe_all", ["--moe_layer_frequency", "1"]),
         ("`hf-ppmoe upcycle`, every FFN MoE, 500MB shards", "moe_500mb", ["--moe_layer_frequency", "1", "--max_shard_size", "500MB"]),

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import sys
 
-from hf_ppmoe_cli import COMMANDS, main
-
 from .utils.arguments import parse_arguments
 
 
-def run(command: str, rest: list[str]) -> int:
-    """Run `hf-ppmoe COMMAND REST...`; returns the exit code."""
+def run(command: str, rest: list[str], description: str | None = None) -> int:
+    """Run `hf-ppmoe COMMAND REST...` (`description`: the launcher's line for the command); returns the exit code."""
     if command == "train":
         from .training.__main__ import cli
 
@@ -23,7 +21,7 @@ def run(command: str, rest: list[str]) -> int:
     if command == "demo":
         from .training.demo_arguments import DemoArguments
 
-        args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=COMMANDS["demo"])
+        args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=description)
         from .training.demo import run_demo  # torch: after the flags were checked
 
         run_demo(args)
@@ -49,7 +47,4 @@ def run(command: str, rest: list[str]) -> int:
     return 0
 
 
-__all__ = ["COMMANDS", "main", "run"]
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["run"]

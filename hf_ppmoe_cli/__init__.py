@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hf_ppmoe.cli import run
 
-    return run(argv[0], argv[1:])
+    return run(argv[0], argv[1:], COMMANDS[argv[0]])
 
 
 if __name__ == "__main__":

@@ -179,7 +179,7 @@ COMMANDS = {
 }
 
 
-# ---- `hf-ppmoe megatron to-megatron|to-hf` (python -m hf_ppmoe.conversion.megatron_checkpoint) ----
+# ---- `hf-ppmoe megatron to-megatron|to-hf` ----
 
 
 @dataclass
@@ -232,7 +232,7 @@ MEGATRON_COMMANDS = {
 }
 
 
-def megatron_main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron_checkpoint") -> int:
+def megatron_main(argv=None, prog: str = "hf-ppmoe megatron") -> int:
     """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG`. Bad flags and refusals
     end as one `PROG: error: ...` line with exit code 2 (SystemExit, as argparse's own errors)."""
     from ..utils.arguments import parse_arguments

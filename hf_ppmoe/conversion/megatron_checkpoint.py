@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import pickle
 import re
-import sys
 from pathlib import Path
 
 import torch
@@ -468,14 +467,3 @@ def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = T
     model.load_state_dict(state_dict, strict=True)
     model.to(state_dict["model.embed_tokens.weight"].dtype).save_pretrained(out)
     return model
-
-
-def main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron_checkpoint") -> int:
-    """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG` (commands.py)."""
-    from .commands import megatron_main
-
-    return megatron_main(argv, prog)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

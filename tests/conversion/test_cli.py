@@ -12,7 +12,7 @@ from converters import SAMPLE_TEXTS, assert_same_outputs, assert_same_seq2seq_ou
 from transformers import AutoModelForCausalLM
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
-from hf_ppmoe.cli import main
+from hf_ppmoe_cli import main
 
 
 def test_upcycle_then_merge_round_trip(dense, tmp_path):
@@ -79,7 +79,7 @@ def test_errors_are_reported_not_raised(dense, tmp_path, capsys):
 def test_real_command_shows_progress(dense, tmp_path):
     model, folder = dense("mistral")
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "hf_ppmoe.cli", "upcycle", str(folder), str(tmp_path / "moe"), "--num_experts", "2"]
+    command = [sys.executable, "-m", "hf_ppmoe_cli", "upcycle", str(folder), str(tmp_path / "moe"), "--num_experts", "2"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "writing tensors: 100%" in result.stderr and f"wrote {tmp_path / 'moe'}" in result.stdout

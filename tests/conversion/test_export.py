@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
-from hf_ppmoe.cli import main
+from hf_ppmoe_cli import main
 from hf_ppmoe.conversion import ConversionError, export_moe, export_reasons, import_moe, merge_experts, upcycle
 from hf_ppmoe.modeling.common import write_custom_generate
 

@@ -11,13 +11,13 @@ import torch
 from helpers import GPT2_STYLE, tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe.conversion.commands import megatron_main as main
 from hf_ppmoe.conversion.megatron_checkpoint import (
     ConversionError,
     InterleaveQKV,
     checkpoint_args,
     from_megatron,
     load_megatron_checkpoint,
-    main,
     save_megatron_checkpoint,
     to_megatron,
 )

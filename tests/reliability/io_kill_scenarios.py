@@ -131,7 +131,7 @@ def conversion(root: Path) -> dict:
     filesystem without an atomic exchange of two folders), then converted again."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
-    from hf_ppmoe.cli import main as cli
+    from hf_ppmoe_cli import main as cli
     from hf_ppmoe.conversion import upcycle
 
     torch.manual_seed(0)

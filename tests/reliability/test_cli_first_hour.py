@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from hf_ppmoe.cli import main
+from hf_ppmoe_cli import main
 
 ROOT = Path(__file__).parents[2]
 

@@ -22,7 +22,7 @@ from hf_ppmoe import (
     Seq2SeqMoEForConditionalGeneration,
     Seq2SeqMoEModel,
 )
-from hf_ppmoe.cli import main as cli
+from hf_ppmoe_cli import main as cli
 from hf_ppmoe.conversion import upcycle
 from hf_ppmoe.conversion.mapping import ConversionError
 from hf_ppmoe.utils.integrity import CHECKSUMS_FILE, CheckpointError

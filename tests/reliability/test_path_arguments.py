@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from hf_ppmoe.cli import main
+from hf_ppmoe_cli import main
 
 
 @pytest.fixture

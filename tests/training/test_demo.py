@@ -8,7 +8,7 @@ import statistics
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2LMHeadModel
 
-from hf_ppmoe.cli import main as cli
+from hf_ppmoe_cli import main as cli
 from hf_ppmoe.training.data import pack
 from hf_ppmoe.training.demo import QUICK, DemoArguments, _lm_loss, _verdict, expert_shares
 from hf_ppmoe.training.tracking import read_jsonl

@@ -7,7 +7,7 @@ import re
 import pytest
 from transformers import AutoModelForSeq2SeqLM
 
-from hf_ppmoe.cli import main as cli
+from hf_ppmoe_cli import main as cli
 from hf_ppmoe.training.stdlib_task import EVALUATION_FILES, file_pairs, first_sentence, stdlib_pairs, stdlib_root
 from hf_ppmoe.training.tracking import read_jsonl
 
