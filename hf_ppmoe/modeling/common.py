@@ -1,4 +1,4 @@
-"""Pieces shared by both model families: norms, input checks, the loss (`model_loss`), and `MoEPreTrainedModel`
+"""Pieces shared by both model families: norms, input checks, and `MoEPreTrainedModel`
 with a guarded, self-contained `save_pretrained` / `from_pretrained`.
 
 Transformers' remote-code loader copies only the files a model's modules import with `from .name import ...`, so
@@ -16,7 +16,6 @@ import importlib.util
 import os
 import re
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -28,7 +27,6 @@ from ..generation.flat_beam_search import generate as flat_beam_generate
 from ..moe.experts import Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
-from ..moe.losses import router_loss
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import (
     WEIGHT_FILE,
@@ -98,19 +96,6 @@ def check_ids(ids: torch.Tensor, limit: int, what: str, fix: str) -> None:
         raise ValueError(f"{what} must lie in [0, {limit}); got {int(ids[where])} at index {list(where)}. {fix}")
 
 
-def warn_if_no_targets(targets: torch.Tensor) -> None:
-    """Warn about a batch without a target token (labels all -100, or one-token sequences for a causal LM), whose
-    loss is 0 (`model_loss`). An empty target shape is seen everywhere; labels that are all -100 are looked for on
-    CPU in eager mode only (elsewhere the host would wait for the device)."""
-    if targets.numel() and (targets.device.type != "cpu" or torch.compiler.is_compiling() or bool((targets != -100).any())):
-        return
-    warnings.warn(
-        "No label in this batch is a target (every label is -100, or each sequence has a single token, which a causal "
-        "LM cannot predict from earlier ones): its loss is 0 and it gives no gradient.",
-        stacklevel=3,
-    )
-
-
 def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
     """A layer's outputs: (hidden_states, aux_loss, z_loss), the losses None without a `Routing` or when they were
     not computed. Top-level tensors, because reentrant gradient checkpointing (`use_reentrant=True`, what PEFT's
@@ -119,32 +104,6 @@ def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
     if routing is None:
         return hidden_states, None, None
     return hidden_states, routing.aux_loss, routing.z_loss
-
-
-def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
-    """The weight of one forward's router losses in its `loss`: 1, or its share of the label tokens (`targets`, -100
-    ignored) when the LM loss is normalised by `num_items_in_batch`, the label tokens of a whole optimizer step; 0 for
-    a batch without a target.
-
-    Transformers' Trainer adds up the losses of a step's micro-batches (and data-parallel replicas), each normalised
-    by `num_items_in_batch`: weighted by the token share, a step's router losses add up to their token-weighted mean
-    instead of counting once per micro-batch and replica."""
-    count = (targets != -100).sum()
-    if num_items_in_batch is None:
-        return (count > 0).float()
-    return count / torch.as_tensor(num_items_in_batch, device=count.device).clamp(min=1)
-
-
-def model_loss(lm_loss, targets, num_items_in_batch, config, aux_loss, z_loss) -> torch.Tensor:
-    """A model's `loss`: its LM loss plus the router term (`hf_ppmoe.moe.losses.router_loss`) weighted by
-    `router_loss_weight`. `targets`: the labels the LM loss predicts (-100 ignored).
-
-    A batch without a target (labels all -100, or one-token sequences for a causal LM) has loss 0 and gives no
-    gradient: the LM loss, an average over no tokens (NaN), is replaced by 0, and the router terms weigh 0. Such a
-    batch warns (`warn_if_no_targets`); training loops can count it."""
-    warn_if_no_targets(targets)
-    lm_loss = torch.where((targets != -100).any(), lm_loss, torch.zeros_like(lm_loss))
-    return lm_loss + router_loss_weight(targets, num_items_in_batch) * router_loss(config, aux_loss, z_loss)
 
 
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)

@@ -19,8 +19,9 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..generation.router_stats import MoEGenerationMixin
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
 from .blocks import head_output, model_forward, output_recorders, run_layers
-from .common import MoEPreTrainedModel, RMSNorm, build_norm, check_ids, check_tokens, model_loss, routing_token_mask
+from .common import MoEPreTrainedModel, RMSNorm, build_norm, check_ids, check_tokens, routing_token_mask
 from .configuration_gpt_moe import GPTMoEConfig
+from .loss import lm_targets, model_loss
 
 
 @dataclass
@@ -35,11 +36,13 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` (when labels are given): the LM loss plus the router term of `aux_loss` and `z_loss`
-    (`hf_ppmoe.modeling.common.model_loss`)."""
+    """`loss` (when labels are given): the LM loss `lm_loss` plus the router term of `aux_loss` and `z_loss`
+    (`hf_ppmoe.modeling.loss.model_loss`); `num_target_tokens`: the labels the LM loss predicts (not -100)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    num_target_tokens: torch.Tensor | None = None
 
 
 class GPTMoERotaryEmbedding(nn.Module):
@@ -276,13 +279,12 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
 
-        loss = None
+        losses = {}
         if labels is not None:
-            # the LM loss predicts labels[:, 1:] (or the shift_labels given)
-            targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
+            targets = lm_targets(labels, causal=True, shift_labels=kwargs.get("shift_labels"))
             lm_loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
-            loss = model_loss(lm_loss, targets, kwargs.get("num_items_in_batch"), self.config, out.aux_loss, out.z_loss)
-        return head_output(GPTMoECausalLMOutput, out, loss=loss, logits=logits)
+            losses = model_loss(lm_loss, targets, kwargs.get("num_items_in_batch"), self.config, out.aux_loss, out.z_loss)._asdict()
+        return head_output(GPTMoECausalLMOutput, out, logits=logits, **losses)
 
 
 __all__ = ["GPTMoEForCausalLM", "GPTMoEModel", "GPTMoEPreTrainedModel"]

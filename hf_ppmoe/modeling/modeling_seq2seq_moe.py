@@ -34,8 +34,9 @@ from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 from ..generation.router_stats import MoEGenerationMixin
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
-from .common import MoEPreTrainedModel, build_norm, check_ids, check_tokens, model_loss, routing_token_mask
+from .common import MoEPreTrainedModel, build_norm, check_ids, check_tokens, routing_token_mask
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
+from .loss import is_target, lm_targets, model_loss
 
 
 @dataclass
@@ -75,13 +76,16 @@ class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
 
 @dataclass
 class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
-    """`loss` (when labels are given): the LM loss plus the router term of `aux_loss` and `z_loss`, averaged over the
-    MoE layers of both stacks (`hf_ppmoe.modeling.common.model_loss`)."""
+    """`loss` (when labels are given): the LM loss `lm_loss` plus the router term of `aux_loss` and `z_loss`, averaged
+    over the MoE layers of both stacks (`hf_ppmoe.modeling.loss.model_loss`); `num_target_tokens`: the labels the LM
+    loss predicts (not -100)."""
 
     encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    num_target_tokens: torch.Tensor | None = None
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int):
@@ -517,7 +521,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
-            decoder_token_mask=labels != -100 if labels is not None else None,
+            decoder_token_mask=is_target(labels) if labels is not None else None,
             compute_router_losses=True if labels is not None else None,
             **kwargs,
         )
@@ -527,11 +531,12 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             hidden = hidden * self.config.hidden_size**-0.5
         logits = self.lm_head(hidden)
 
-        loss = None
+        losses = {}
         if labels is not None:
             lm_loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
-            loss = model_loss(lm_loss, labels, num_items_in_batch, self.config, out.aux_loss, out.z_loss)
-        return head_output(Seq2SeqMoELMOutput, out, loss=loss, logits=logits)
+            targets = lm_targets(labels, causal=False)
+            losses = model_loss(lm_loss, targets, num_items_in_batch, self.config, out.aux_loss, out.z_loss)._asdict()
+        return head_output(Seq2SeqMoELMOutput, out, logits=logits, **losses)
 
 
 __all__ = [

@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
 from ..modeling.common import NoPositions
+from ..modeling.loss import is_target, lm_targets, num_target_tokens
 from ..moe.layer import MoELayer
 from ..moe.losses import router_loss
 from .tensor_parallel import parallelize
@@ -145,7 +146,7 @@ class GPTMoEStage(_Stage):
         if decoder_attention_mask is not None:
             raise ValueError("decoder_attention_mask is for encoder-decoders; a GPT-MoE takes attention_mask only.")
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        return (input_ids,), kwargs, (labels[..., 1:] != -100).sum()  # token t+1 is predicted at position t
+        return (input_ids,), kwargs, num_target_tokens(lm_targets(labels, causal=True))
 
     def loss(self, logits, labels, num_items_in_batch):
         config = self.model.config
@@ -255,11 +256,11 @@ class Seq2SeqMoEStage(_Stage):
         return shared
 
     def step_inputs(self, input_ids, labels, attention_mask, decoder_attention_mask):
-        kwargs = {"decoder_input_ids": self.model._shift_right(labels), "decoder_token_mask": labels != -100}
+        kwargs = {"decoder_input_ids": self.model._shift_right(labels), "decoder_token_mask": is_target(labels)}
         for name, mask in (("attention_mask", attention_mask), ("decoder_attention_mask", decoder_attention_mask)):
             if mask is not None:
                 kwargs[name] = mask
-        return (input_ids,), kwargs, (labels != -100).sum()
+        return (input_ids,), kwargs, num_target_tokens(lm_targets(labels, causal=False))
 
     def loss(self, logits, labels, num_items_in_batch):
         return ForMaskedLMLoss(logits, labels, self.model.config.vocab_size, num_items_in_batch=num_items_in_batch)
@@ -298,8 +299,9 @@ class Pipeline:
     `module` is the stage (give its parameters to the optimizer), `layers[r]` the layers of stage r (indices in the
     whole model). The batch size must be a multiple of `num_microbatches`; a new batch shape sets the schedule up
     again (cheap, but keep shapes fixed where you can). After `step`, `losses` holds that step's parts of the loss
-    on every rank: {"lm", "aux", "z"} (LM token mean; router aux / z losses averaged over the model's MoE layers and
-    the microbatches, before their coefficients). `forward` runs a GPT-MoE forward only (evaluation).
+    on every rank: {"lm", "aux", "z", "num_target_tokens"} (LM token mean; router aux / z losses averaged over the
+    model's MoE layers and the microbatches, before their coefficients; the batch's target tokens). `forward` runs a
+    GPT-MoE forward only, `lm_loss` its LM loss (evaluation).
     """
 
     def __init__(self, model, pp, *, num_microbatches: int, schedule: str = "1f1b", layers=None, tp=None):
@@ -384,7 +386,7 @@ class Pipeline:
         if self.module.router_losses:
             parts[1:] += torch.stack(self.module.router_losses).mean(0)
         dist.all_reduce(parts, group=self.group)
-        self.losses = dict(zip(("lm", "aux", "z"), parts.unbind()))
+        self.losses = dict(zip(("lm", "aux", "z"), parts.unbind()), num_target_tokens=num_tokens)
         return parts[0] + router_loss(self.module.model.config, parts[1], parts[2])
 
     @torch.no_grad()
@@ -404,3 +406,12 @@ class Pipeline:
             return out
         dist.send(out.to(self.module.model.dtype).contiguous(), group=self.group, group_dst=self.rank + 1)
         return None
+
+    @torch.no_grad()
+    def lm_loss(self, input_ids, labels, attention_mask=None):
+        """`forward`, then on the last stage (LM loss, number of target tokens) of `labels` [B, L] (-100 ignored), by
+        the model's own loss function; None on the other stages."""
+        logits = self.forward(input_ids, attention_mask=attention_mask)
+        if logits is None:
+            return None
+        return self.module.loss(logits, labels, None), num_target_tokens(lm_targets(labels, causal=True))

@@ -9,7 +9,7 @@ from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config
 from torch.distributed.tensor import DTensor
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
-from hf_ppmoe.modeling.common import router_loss_weight
+from hf_ppmoe.modeling.loss import lm_targets, num_target_tokens
 from hf_ppmoe.moe.losses import router_loss
 from hf_ppmoe.parallel import Pipeline, count_collectives
 
@@ -180,16 +180,12 @@ def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2, layers=2):
 def accumulate(ref, ids, mask, labels, microbatches):
     """Single-process gradient accumulation: token-summed LM loss / the batch's label tokens, plus the mean of the
     microbatches' router losses (what `Pipeline` documents)."""
-    # a causal LM predicts token t+1 at position t, an encoder-decoder every label
-    num_tokens = ((labels if ref.config.is_encoder_decoder else labels[:, 1:]) != -100).sum()
+    num_tokens = num_target_tokens(lm_targets(labels, causal=not ref.config.is_encoder_decoder))
     total = 0.0
     for chunk in zip(*(t.chunk(microbatches) for t in (ids, mask, labels))):
         out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
-        config = ref.config
-        router = router_loss(config, out.aux_loss, out.z_loss)
         # the model weighs its router losses by the chunk's share of the label tokens; the pipeline takes their mean
-        share = router_loss_weight(chunk[2] if config.is_encoder_decoder else chunk[2][:, 1:], num_tokens)
-        loss = out.loss - share * router + router / microbatches
+        loss = out.lm_loss + router_loss(ref.config, out.aux_loss, out.z_loss) / microbatches
         loss.backward()
         total += loss.item()
     return total
