@@ -319,14 +319,27 @@ class MoEPreTrainedModel(PreTrainedModel):
         return result
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, verify_checksums: bool = True, **kwargs):
+    def from_pretrained(
+        cls, pretrained_model_name_or_path, *args, verify_checksums: bool = True, strict_moe: bool = True, **kwargs
+    ):
         """Transformers' `from_pretrained`, with the checks of `_load_pretrained_model`. `verify_checksums=False`
-        skips comparing the weight files with `checksums.sha256` (which reads every byte once more)."""
+        skips comparing the weight files with `checksums.sha256` (which reads every byte once more).
+
+        A router or expert tensor that the checkpoint lacks, or holds beyond the model's, is an error naming the
+        tensors (`check_moe_tensors_loaded`): Transformers would initialise it anew (or drop it) with a load report
+        only, which for an MoE is another model. `strict_moe=False`, or `output_loading_info=True` (the caller then
+        reads the report), keeps Transformers' behaviour."""
+        wants_info = kwargs.pop("output_loading_info", False)
         token = _VERIFY_CHECKSUMS.set(verify_checksums)
         try:
-            return super().from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+            model, info = super().from_pretrained(
+                pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs
+            )
         finally:
             _VERIFY_CHECKSUMS.reset(token)
+        if strict_moe and not wants_info:
+            check_moe_tensors_loaded(model, info, pretrained_model_name_or_path)
+        return (model, info) if wants_info else model
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
@@ -350,6 +363,29 @@ class MoEPreTrainedModel(PreTrainedModel):
         result = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
         check_finite((stored[name][0], name, t) for name, t in model.state_dict().items() if name in stored)
         return result
+
+
+def _is_moe_tensor(name: str, moe_prefixes: tuple[str, ...]) -> bool:
+    """A tensor of an MoE layer of the model (router or experts), or one that names a router or experts."""
+    return name.startswith(moe_prefixes) or not {"experts", "gate", "router"}.isdisjoint(name.split("."))
+
+
+def check_moe_tensors_loaded(model, loading_info: dict, source) -> None:
+    """Raise `ValueError` naming the router / expert tensors that `loading_info` (Transformers' load report) lists as
+    missing from the checkpoint or unexpected in it."""
+    prefixes = tuple(f"{name}." for name, module in model.named_modules() if isinstance(module, MoELayer))
+    problems = {
+        what: sorted(name for name in loading_info.get(key, ()) if _is_moe_tensor(name, prefixes))
+        for what, key in (("missing from the checkpoint", "missing_keys"), ("not in the model", "unexpected_keys"))
+    }
+    if not any(problems.values()):
+        return
+    listed = "; ".join(f"{what}: {', '.join(names)}" for what, names in problems.items() if names)
+    raise ValueError(
+        f"{source} does not hold this MoE model's router and expert weights ({listed}). Loading it would initialise "
+        "those anew (or drop them) and give another model. Load the checkpoint it was saved as, or pass "
+        "from_pretrained(..., strict_moe=False) to load anyway with Transformers' load report."
+    )
 
 
 def _refuse_pipeline_training(model, args):
