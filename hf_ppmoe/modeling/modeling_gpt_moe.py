@@ -4,9 +4,8 @@
 Legend: B batch, L query length, H hidden, T = B * L tokens.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import nn
@@ -15,6 +14,7 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
@@ -163,7 +163,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> GPTMoEModelOutput:
         """Also takes output_attentions, output_hidden_states and output_router_logits (`capture_moe_outputs`).
         `compute_router_losses` (default: when gradients are enabled or router logits are requested) fills
@@ -260,7 +260,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> GPTMoECausalLMOutput:
         """labels [B, L] give the loss (token t + 1 predicted at position t; -100: ignored); a batch without a target
         (all -100, or one-token sequences) has loss 0 (`model_loss`). Output flags as `GPTMoEModel` takes them."""

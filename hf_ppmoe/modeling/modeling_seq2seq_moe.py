@@ -13,10 +13,9 @@ its scores; cross-attention has none. Padding tokens (encoder `attention_mask`; 
 labels == -100) are kept out of routing statistics and router losses.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from transformers.modeling_outputs import (
     Seq2SeqMoEOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import TransformersKwargs
 from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..generation.router_stats import MoEGenerationMixin
@@ -241,7 +241,7 @@ class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEStackOutput:
         """input_ids [B, S], attention_mask [B, S] (0 for padding) -> last_hidden_state [B, S, H] and router outputs;
         output flags as `capture_moe_outputs` reads them."""
@@ -297,7 +297,7 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         use_cache: bool | None = None,
         token_mask: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEStackOutput:
         """input_ids [B, L] (the new tokens when cache holds P earlier ones), attention_mask [B, P + L],
         encoder_hidden_states [B, S, H], encoder_attention_mask [B, S], token_mask [B, L] (False: not routed for
@@ -308,6 +308,12 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         self_cache = cache.self_attention_cache if cache is not None else None
         L = inputs_embeds.shape[1]
         P = self_cache.get_seq_length() if self_cache is not None else 0
+        if attention_mask is not None and attention_mask.dim() == 2 and isinstance(P, int) and attention_mask.shape[1] != P + L:
+            cached = f" after {P} cached ones" if P else ""
+            raise ValueError(
+                f"decoder_attention_mask has length {attention_mask.shape[1]}, but the decoder input has {L} tokens"
+                f"{cached}: the mask needs one entry per decoder token ({P + L})."
+            )
 
         causal_mask = create_causal_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=self_cache
@@ -425,7 +431,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         use_cache: bool | None = None,
         decoder_token_mask: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEModelOutputWithLosses:
         """The encoder runs unless `encoder_outputs` is given (as `generate` does after its first step).
         decoder_token_mask [B, L]: decoder tokens that count in router losses/statistics (besides the mask).
@@ -502,7 +508,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoELMOutput:
         """labels [B, L] (-100: ignored) give the loss and, unless decoder inputs are passed, the decoder inputs
         (`_shift_right`). Router losses count the tokens the LM loss counts. A batch without a target label has loss 0
