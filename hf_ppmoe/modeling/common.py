@@ -16,6 +16,7 @@ import importlib.util
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -37,6 +38,13 @@ from ..utils.integrity import (
     verify_checksums,
     write_checksums,
 )
+from ..utils.transformers_private import (
+    PrivateHooks,
+    device_mesh_of,
+    is_first_pipeline_stage,
+    restrict_instance_plans,
+)
+from .stages import drop_input_parts, keep_layers
 
 
 class RMSNorm(nn.Module):
@@ -107,7 +115,7 @@ def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
 
 
 _RELATIVE_IMPORT = re.compile(r"^(\s*)from\s+(\.+[\w.]*)\s+import\s", flags=re.MULTILINE)
-# from_pretrained(..., verify_checksums=False) reaches _load_pretrained_model through this
+# from_pretrained(..., verify_checksums=False) reaches load_guarded through this
 _VERIFY_CHECKSUMS = contextvars.ContextVar("verify_checksums", default=True)
 
 
@@ -176,22 +184,7 @@ def tied_head_kept(model):
         head.weight = embeddings.weight
 
 
-class NoPositions(nn.Module):
-    """Stands in for learned position embeddings on a pipeline stage after the first (its input carries them)."""
-
-    def forward(self, position_ids):
-        return 0.0
-
-
-class LayerOfAnotherStage(nn.Module):
-    """Stands in for a decoder layer that another stage of Transformers' pipeline holds: the hidden states pass
-    through, with no routing and no attention weights (our layers' contract, `layer_outputs`)."""
-
-    def forward(self, hidden_states, *args, **kwargs):
-        return layer_outputs(hidden_states, None)
-
-
-class MoEPreTrainedModel(PreTrainedModel):
+class MoEPreTrainedModel(PrivateHooks, PreTrainedModel):
     """Base of both families: MoE weight init and an all-or-nothing, self-contained `save_pretrained`."""
 
     base_model_prefix = "model"
@@ -223,15 +216,14 @@ class MoEPreTrainedModel(PreTrainedModel):
         configs list the rules of every layout a family can build (gated or plain FFN, biases, shared expert)."""
         super().init_parallel_plans()
         names = {_LAYER_NUMBER.sub(".*", n) for n, _ in [*self.named_modules(), *self.named_parameters()]}
-        self._tp_plan = {k: v for k, v in self._tp_plan.items() if k in names}
-        self._ep_plan = {k: v for k, v in self._ep_plan.items() if k in names}
+        restrict_instance_plans(self, names.__contains__)
 
-    def _resolve_parallel_plans(self, distributed_config):
-        """Transformers' resolved plans without the rules of tied duplicates (`lm_head.weight` when tied to the input
-        embeddings, which Transformers cannot look up once tied): the shared weight is split once, by the embedding's
-        rule, which splits the vocabulary as the head's rule would; the head keeps its forward rule."""
+    def keep_own_plan_rules(self, plans: tuple) -> tuple:
+        """Transformers' resolved plans (`PrivateHooks`) without the rules of tied duplicates (`lm_head.weight` when
+        tied to the input embeddings, which Transformers cannot look up once tied): the shared weight is split once,
+        by the embedding's rule, which splits the vocabulary as the head's rule would; the head keeps its forward
+        rule."""
         names = {n for n, _ in [*self.named_modules(), *self.named_parameters()]}
-        plans = super()._resolve_parallel_plans(distributed_config)
         return tuple({k: v for k, v in plan.items() if k in names} for plan in plans)
 
     @classmethod
@@ -263,20 +255,16 @@ class MoEPreTrainedModel(PreTrainedModel):
         activations without gradients, so a forward in training is refused (on every rank, before any stage
         communicates) instead of silently updating the last stage alone."""
         base = self.model
-        for i, layer in enumerate(base.layers):
-            if isinstance(layer, nn.Identity):  # Transformers' PipelineIdentityLayer
-                base.layers[i] = LayerOfAnotherStage()
-        if not self._pp_stage.pp_is_first_stage:
-            base.dropout = nn.Identity()
-            if self.config.position_embedding_type == "learned":
-                base.embed_positions = NoPositions()
+        keep_layers(base.layers, range(len(base.layers)))  # Transformers' identities (PipelineIdentityLayer)
+        if not is_first_pipeline_stage(self):
+            drop_input_parts(base)
         self.register_forward_pre_hook(_refuse_pipeline_training)
 
     def _distributed_config_of_this_model(self, distributed_config):
         """`config.distributed_config` where this model was split (`_device_mesh`, set by `parallelize` and
         `from_pretrained(distributed_config=...)`), else None: a config shared with, or copied from, a split model
         must not make a model that is whole gather or wait for other ranks when one rank saves it."""
-        return distributed_config if self._device_mesh is not None else None
+        return distributed_config if device_mesh_of(self) is not None else None
 
     def gather_sharded_state_dict_for_save(self, model_to_save, state_dict, distributed_config, **kwargs):
         distributed_config = self._distributed_config_of_this_model(distributed_config)
@@ -322,7 +310,7 @@ class MoEPreTrainedModel(PreTrainedModel):
     def from_pretrained(
         cls, pretrained_model_name_or_path, *args, verify_checksums: bool = True, strict_moe: bool = True, **kwargs
     ):
-        """Transformers' `from_pretrained`, with the checks of `_load_pretrained_model`. `verify_checksums=False`
+        """Transformers' `from_pretrained`, with the checks of `load_guarded`. `verify_checksums=False`
         skips comparing the weight files with `checksums.sha256` (which reads every byte once more).
 
         A router or expert tensor that the checkpoint lacks, or holds beyond the model's, is an error naming the
@@ -341,15 +329,14 @@ class MoEPreTrainedModel(PreTrainedModel):
             check_moe_tensors_loaded(model, info, pretrained_model_name_or_path)
         return (model, info) if wants_info else model
 
-    @staticmethod
-    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
-        """Transformers' loading, guarded: every weight file must lie inside a local checkpoint's folder (no `../`,
-        absolute names or symlinks out of it in the shard index), match `checksums.sha256` when the folder has one,
-        and hold no integer tensor where the model has a floating-point one; the loaded weights must be finite."""
+    def load_guarded(self, checkpoint_files, source, subfolder: str, load: Callable):
+        """Transformers' loading of the weights (`load`, through `PrivateHooks`), guarded: every weight file must lie
+        inside a local checkpoint's folder (no `../`, absolute names or symlinks out of it in the shard index), match
+        `checksums.sha256` when the folder has one, and hold no integer tensor where the model has a floating-point
+        one; the loaded weights must be finite."""
+        model = self
         files, stored = [Path(f) for f in checkpoint_files or [] if f is not None], {}
         if files:
-            source = load_config.pretrained_model_name_or_path
-            subfolder = (load_config.download_kwargs or {}).get("subfolder") or ""
             local = source is not None and os.path.isdir(source)
             # a Hub repository's file names were checked by huggingface_hub; its files live in one snapshot folder
             folder = Path(source, subfolder) if local else files[0].parent
@@ -360,7 +347,7 @@ class MoEPreTrainedModel(PreTrainedModel):
                 verify_checksums(folder, names)
             stored = stored_dtypes(f for f in files if f.suffix == ".safetensors")
             check_stored_dtypes(stored, model.state_dict(keep_vars=True))
-        result = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
+        result = load()
         check_finite((stored[name][0], name, t) for name, t in model.state_dict().items() if name in stored)
         return result
 

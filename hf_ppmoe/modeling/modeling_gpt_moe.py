@@ -17,6 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
+from ..utils.transformers_private import attention_implementation
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
 from .blocks import head_output, model_forward, output_recorders, run_layers
 from .common import MoEPreTrainedModel, RMSNorm, build_norm, check_ids, check_tokens, routing_token_mask
@@ -117,7 +118,7 @@ class GPTMoEAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_implementation(self.config), eager_attention_forward)
         return attend(self, attention, q, k, v, attention_mask, sliding_window=self.config.sliding_window, **kwargs)
 
 

@@ -29,9 +29,9 @@ from transformers.modeling_outputs import (
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
-from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
 
 from ..generation.router_stats import MoEGenerationMixin
+from ..utils.transformers_private import attention_implementation, register_output_recorders
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
 from .common import MoEPreTrainedModel, build_norm, check_ids, check_tokens, routing_token_mask
@@ -149,7 +149,7 @@ class Seq2SeqMoEAttention(nn.Module):
         """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
         q = self._project(self.q_proj, hidden_states)
         k, v = self._key_values(hidden_states, key_value_states, cache)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_implementation(self.config), eager_attention_forward)
         return attend(self, attention, q, k, v, attention_mask, position_bias=position_bias, **kwargs)
 
 
@@ -184,8 +184,7 @@ class Seq2SeqMoEStack(nn.Module):
         self.norm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.num_moe_layers = sum(layer.is_moe for layer in self.layers)
-        # Transformers' output hooks look a module's recorders up here (PreTrainedModel.__init__ does the same)
-        _CAN_RECORD_REGISTRY[self] = self._can_record_outputs
+        register_output_recorders(self, self._can_record_outputs)
 
     def position_bias(self, query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
         """[1, N, query_length, key_length]: the bias of key j for query i (at absolute position past_length + i)."""

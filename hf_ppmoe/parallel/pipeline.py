@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from ..modeling.common import NoPositions
+from ..modeling.stages import drop_input_parts, is_held, keep_layers
 from ..modeling.loss import is_target, lm_targets, num_target_tokens
 from ..moe.layer import MoELayer
 from ..moe.losses import router_loss
@@ -101,7 +101,8 @@ class _Stage(nn.Module):
 
 class GPTMoEStage(_Stage):
     """Layers `layers` of a `GPTMoEForCausalLM`, with the embeddings on the first stage and the final norm and head
-    on the last. `model` is trimmed in place and kept as `self.model`.
+    on the last. `model` is trimmed in place (`hf_ppmoe.modeling.stages`: the layers keep their index in the whole
+    model) and kept as `self.model`.
 
     forward(x, attention_mask=None): x is input_ids [B, L] on the first stage, hidden states [B, L, H] on the others;
     returns hidden states, or the logits on the last stage."""
@@ -109,18 +110,17 @@ class GPTMoEStage(_Stage):
     def __init__(self, model, layers: range, is_first: bool, is_last: bool, num_microbatches: int):
         base, config = model.model, model.config
         tied = _head_tied(model)
-        base.layers = nn.ModuleList(base.layers[i] for i in layers)
+        keep_layers(base.layers, layers)
         if not is_first:
             base.embed_tokens = None
-            base.dropout = nn.Identity()  # applied to the embeddings only
-            if config.position_embedding_type == "learned":
-                base.embed_positions = NoPositions()
+            drop_input_parts(base)
         if not is_last:
             base.norm, model.lm_head = nn.Identity(), None
         model.init_parallel_plans()  # the plans now name only what this stage holds
         moe_total = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         super().__init__(model, is_first, is_last, num_microbatches, moe_total)
-        self.tied, self.moe_here = tied, sum(isinstance(layer.mlp, MoELayer) for layer in base.layers)
+        self.tied = tied
+        self.moe_here = sum(isinstance(layer.mlp, MoELayer) for layer in base.layers if is_held(layer))
 
     @staticmethod
     def num_layers(config) -> int:
@@ -184,7 +184,7 @@ class Seq2SeqMoEStage(_Stage):
             if not keep[name]:
                 setattr(base, name, None)
                 continue
-            stack.layers = nn.ModuleList(stack.layers[i] for i in keep[name])
+            keep_layers(stack.layers, keep[name])
             stack.embed_tokens = None  # the stage embeds (the stack's dropout applies to its input and its output:
             stack.dropout = nn.Identity()  # the stage applies it where the stack starts and where it ends)
             if depth - 1 not in keep[name]:

@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe.modeling.loss import lm_targets, num_target_tokens
+from hf_ppmoe.modeling.stages import is_held
 from hf_ppmoe.moe.losses import router_loss
 from hf_ppmoe.parallel import Pipeline, count_collectives
 
@@ -151,15 +152,12 @@ def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2, layers=2):
     ref, model = build(**settings), build(**settings)
     pipe = Pipeline(model, pp, num_microbatches=microbatches, schedule=schedule, tp=tp)
     stage = pipe.module.model
-    # a stage's layer i is the model's layer layer_idx (its attention knows it)
+    # a stage's layers keep their index in the whole model (its attention knows it too)
     stacks = [(n, m) for n, m in stage.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
-    original = {f"{n}.{i}.": f"{n}.{layer.self_attn.layer_idx}." for n, m in stacks for i, layer in enumerate(m)}
+    assert all(layer.self_attn.layer_idx == i for _, m in stacks for i, layer in enumerate(m) if is_held(layer))
     ref_names = dict(ref.named_parameters())
 
     def name_of(name):
-        for local, index in original.items():
-            if name.startswith(local):
-                return index + name[len(local) :]
         # a head tied to the embeddings
         return name if name in ref_names else ("model.shared.weight" if seq2seq else "model.embed_tokens.weight")
 
