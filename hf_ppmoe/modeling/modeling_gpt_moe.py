@@ -20,9 +20,11 @@ from ..generation.router_stats import MoEGenerationMixin
 from ..utils.transformers_private import attention_implementation
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
 from .blocks import head_output, model_forward, output_recorders, run_layers
-from .common import MoEPreTrainedModel, RMSNorm, build_norm, check_ids, check_tokens, routing_token_mask
+from .common import MoEPreTrainedModel
 from .configuration_gpt_moe import GPTMoEConfig
+from .inputs import check_ids, check_tokens, routing_token_mask
 from .loss import lm_targets, model_loss
+from .norms import RMSNorm, build_norm
 
 
 @dataclass

@@ -34,9 +34,11 @@ from ..generation.router_stats import MoEGenerationMixin
 from ..utils.transformers_private import attention_implementation, register_output_recorders
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
-from .common import MoEPreTrainedModel, build_norm, check_ids, check_tokens, routing_token_mask
+from .common import MoEPreTrainedModel
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
+from .inputs import check_ids, check_tokens, routing_token_mask
 from .loss import is_target, lm_targets, model_loss
+from .norms import build_norm
 
 
 @dataclass

@@ -19,7 +19,7 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
-from ..modeling.common import tied_head_kept
+from ..modeling.parallel_hooks import tied_head_kept
 from ..utils.transformers_private import record_split, resolve_parallel_plans
 from .comm import sum_grad_over
 from .data_parallel import ALL_TO_ALL
