@@ -250,7 +250,8 @@ def evaluate(model, blocks: torch.Tensor, s: Setting) -> float:
     for x in blocks.split(s.batch):
         x = x.to(s.device)
         with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            lm_loss, count = lm_loss_of(model(x, labels=x), x, causal=True)
+            quiet = {"compute_router_losses": False} if isinstance(model, GPTMoEForCausalLM) else {}  # no statistics
+            lm_loss, count = lm_loss_of(model(x, labels=x, **quiet), x, causal=True)
         total += lm_loss.double() * count
     model.train()
     return (total / (blocks.shape[0] * (blocks.shape[1] - 1))).item()

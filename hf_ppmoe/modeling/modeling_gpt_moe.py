@@ -263,10 +263,12 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
+        compute_router_losses: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> GPTMoECausalLMOutput:
         """labels [B, L] give the loss (token t + 1 predicted at position t; -100: ignored); a batch without a target
-        (all -100, or one-token sequences) has loss 0 (`model_loss`). Output flags as `GPTMoEModel` takes them."""
+        (all -100, or one-token sequences) has loss 0 (`model_loss`). Output flags as `GPTMoEModel` takes them;
+        `compute_router_losses` defaults to True with labels (False: the LM loss alone, no routing statistics)."""
         out = self.model(
             return_dict=True,
             input_ids=input_ids,
@@ -275,7 +277,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            compute_router_losses=True if labels is not None else None,
+            compute_router_losses=True if compute_router_losses is None and labels is not None else compute_router_losses,
             **kwargs,
         )
         hidden = out.last_hidden_state

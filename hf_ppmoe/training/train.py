@@ -330,8 +330,9 @@ def evaluate(run: Run) -> dict:
         with run.accelerator.autocast():
             if pipe is not None:
                 result = pipe.lm_loss(input_ids, labels)
-            elif causal:
-                result = lm_loss_of(forward(input_ids, labels=labels), labels, causal)
+            elif causal:  # no routing statistics from evaluation, as without labels
+                quiet = {"compute_router_losses": False} if isinstance(forward, GPTMoEForCausalLM) else {}
+                result = lm_loss_of(forward(input_ids, labels=labels, **quiet), labels, causal)
             else:  # the decoder reads the labels shifted right
                 out = forward(input_ids, attention_mask=batch["attention_mask"].to(run.device), labels=labels)
                 result = lm_loss_of(out, labels, causal)
