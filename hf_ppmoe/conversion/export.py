@@ -50,7 +50,7 @@ from ..modeling import GPTMoEConfig, Seq2SeqMoEConfig
 from .architectures import ARCHITECTURES, _llama_names, expert_rules
 from .io import open_checkpoint
 from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
-from .pipeline import deliver, expected_tensors
+from .delivery import deliver, expected_tensors
 from .t5 import switch_sparse_layers
 from .upcycle import moe_config_loader
 

@@ -19,7 +19,7 @@ import torch
 from .architectures import get_architecture
 from .io import open_checkpoint
 from .mapping import ConversionError
-from .pipeline import deliver
+from .delivery import deliver
 from .upcycle import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
 
 MERGE_METHODS = ("mean", "usage", "expert")

@@ -28,7 +28,7 @@ from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
 from .io import Checkpoint, open_checkpoint, read_config_dict
 from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, rename
-from .pipeline import deliver
+from .delivery import deliver
 
 ROUTER_INITS = ("zeros", "random", "hidden")
 

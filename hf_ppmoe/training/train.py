@@ -6,7 +6,7 @@
     evaluate(run)                   LM loss and perplexity on the validation batches
     train(args)                     the loop: train_step, then log / evaluate / checkpoint at their intervals; save
 
-The data is an object (see `blocks.py`) that hands each data-parallel process its batch for (step, micro-step); with
+The data is an object (see `block_data.py`) that hands each data-parallel process its batch for (step, micro-step); with
 Accelerate's saved optimizer, scheduler and RNG states, `--resume` continues exactly where an uninterrupted run would
 be (what a checkpoint records and the checks that refuse a resume that would not: `checkpoints.py`).
 
@@ -44,7 +44,7 @@ from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
 from ..utils.model_card import training_card, write_card
 from .arguments import TrainArguments
-from .blocks import load_data
+from .block_data import load_data
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
 from .data import Source, train_tokenizer
@@ -169,7 +169,7 @@ class Run:
     model: torch.nn.Module  # what trains: the prepared model, a split model, or the pipeline stage
     optimizer: torch.optim.Optimizer
     scheduler: object
-    data: object  # see blocks.py
+    data: object  # see block_data.py
     tokenizer: object
     monitor: RouterMonitor
     jsonl: JSONLinesTracker
@@ -193,8 +193,8 @@ class Run:
 
 
 def setup(args: TrainArguments) -> Run:
-    """Everything before the first step, in the order of STYLE lesson 12: arguments, data and tokenizer, model,
-    parallelism, `accelerator.prepare`, resume."""
+    """Everything before the first step, in a fixed order: arguments, data and tokenizer, model, parallelism,
+    `accelerator.prepare`, resume."""
     args.validate()
     checkpoint = find_checkpoint(args)
     saved = read_checkpoint(checkpoint) if checkpoint else None  # its files checked before anything is built
@@ -229,7 +229,7 @@ def setup(args: TrainArguments) -> Run:
     clock = time.perf_counter()
     if seq2seq:
         data = pair_data(args, tokenizer, train_pairs, val_pairs, dp)
-    else:  # prepared once per node (the other processes map the same cache entry), or streamed: see blocks.py
+    else:  # prepared once per node (the other processes map the same cache entry), or streamed: see block_data.py
         data = load_data(args, tokenizer, dp.rank, dp.size, accelerator.local_main_process_first)
     accelerator.print(f"data: {data}, ready in {time.perf_counter() - clock:.1f} s")
     check_processes_agree(args, model)
