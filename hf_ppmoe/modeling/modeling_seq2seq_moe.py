@@ -492,6 +492,13 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
     def set_input_embeddings(self, new_embeddings):
         self.model.set_input_embeddings(new_embeddings)
 
+    def lm_logits(self, decoder_output: torch.Tensor) -> torch.Tensor:
+        """The LM head on the decoder's output [B, L, H] -> [B, L, V] (also a pipeline's last stage's)."""
+        if self.config.scale_decoder_outputs:
+            # T5 v1.0: the LM head is the embedding matrix, whose init std is 1; this keeps logits at unit scale
+            decoder_output = decoder_output * self.config.hidden_size**-0.5
+        return self.lm_head(decoder_output)
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Used by DataCollatorForSeq2Seq to build decoder_input_ids."""
         return self._shift_right(labels)
@@ -532,11 +539,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             compute_router_losses=True if labels is not None else None,
             **kwargs,
         )
-        hidden = out.last_hidden_state
-        if self.config.scale_decoder_outputs:
-            # T5 v1.0: the LM head is the embedding matrix, whose init std is 1; this keeps logits at unit scale
-            hidden = hidden * self.config.hidden_size**-0.5
-        logits = self.lm_head(hidden)
+        logits = self.lm_logits(out.last_hidden_state)
 
         losses = {}
         if labels is not None:

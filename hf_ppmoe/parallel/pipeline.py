@@ -239,10 +239,7 @@ class Seq2SeqMoEStage(_Stage):
         stacks.append((out, self.moe_here["decoder"]))
         if not self.is_last:
             return self._with_router_loss(out.last_hidden_state, stacks), encoder_output
-        hidden = self._with_router_loss(self.dropout(out.last_hidden_state), stacks)
-        if self.model.config.scale_decoder_outputs:
-            hidden = hidden * self.model.config.hidden_size**-0.5
-        return self.model.lm_head(hidden)
+        return self.model.lm_logits(self._with_router_loss(self.dropout(out.last_hidden_state), stacks))
 
     def shared_parameters(self):
         base, shared = self.model.model, {}
