@@ -16,11 +16,17 @@ baseline of the same round (dense FFN / dense backbone), so clock and thermal dr
    dense SwiGLU FFN of equal active FLOPs (inner size k * f) and Transformers' Qwen3-MoE sparse block with its
    `grouped_mm` and `batched_mm` experts, for E in {8, 32, 128}, k in {1, 2, 8}; 16k tokens, hidden 2048.
 2. GPT-MoE training step (AdamW, bf16 weights, torch.compile) tokens/s and MFU against its dense backbone (the same
-   model with every FFN dense and k * f wide: equal active FLOPs). MFU counts 6 x active matmul parameters plus
+   model with every FFN dense and k * f wide: equal active FLOPs) and Transformers' Qwen3-MoE model
+   (`Qwen3MoeForCausalLM`, grouped_mm experts) of the same shape (H, layers, heads, E, k, expert size). MFU counts 6 x active matmul parameters plus
    attention's 12 x layers x hidden x sequence per token (PaLM, appendix B), against the dense bf16 peak of the card
    looked up by its name (`peak_bf16_tflops`: H100 SXM, PCIe and NVL differ); an unknown card gets no MFU.
 3. Greedy decoding tokens/s with a static cache and the compiled decode step, batch 1 and 32, against the dense
    backbone and Transformers' Qwen3-MoE of the same shape and weights layout.
+
+Sections 2 and 3 compile, so their variants run one after another, each after `torch._dynamo.reset()` (no variant
+reuses or evicts another's compiled code), and each reports the graphs Dynamo compiled and the graph breaks it met:
+a compiled training step must be one graph and a compiled decode step must not recompile (the section's table is
+written, then the run fails naming the variant). `scripts/gpu_check.sh` runs every section in a fresh process.
 """
 
 from __future__ import annotations
@@ -30,11 +36,12 @@ import statistics
 import sys
 
 import torch
+from torch._dynamo.utils import counters
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
-from hf_ppmoe.moe import MLP, MoELayer
+from hf_ppmoe.moe import MLP, Experts, MoELayer
 
 GiB = 2**30
 # dense (not 2:4 sparse) bf16 tensor-core peaks from NVIDIA's data sheets, by a part of torch.cuda.get_device_name();
@@ -106,6 +113,49 @@ def moe_config(hidden, inner, E, k, layers=1, **kw):
     )
 
 
+def qwen3_config(hidden, inner, E, k, layers):
+    """Transformers' Qwen3-MoE of moe_config's shape (every layer sparse; intermediate_size only sizes
+    `parameters`), with its grouped_mm experts."""
+    config = Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=hidden, intermediate_size=inner, moe_intermediate_size=inner,
+        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 128), num_key_value_heads=max(1, hidden // 512),
+        num_experts=E, num_experts_per_tok=k, norm_topk_prob=True, max_position_embeddings=4096,
+    )
+    config._experts_implementation = "grouped_mm"
+    return config
+
+
+def build_model(config):
+    return Qwen3MoeForCausalLM(config) if isinstance(config, Qwen3MoeConfig) else GPTMoEForCausalLM(config)
+
+
+def fresh_dynamo():
+    """Forget every compiled graph and Dynamo's counters: the next variant compiles alone."""
+    torch._dynamo.reset()
+    counters.clear()
+
+
+def dynamo_graphs() -> tuple[int, int]:
+    """(graphs Dynamo compiled, graph breaks it met) since the last `fresh_dynamo()`."""
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def graph_problem(name: str, graphs: int, breaks: int, compiled: bool) -> str:
+    """'' when a compiled variant is one graph without breaks (or nothing was compiled), else what went wrong.
+    Transformers' Qwen3-MoE is a reference, not ours: its graphs are reported, never held against the run."""
+    if not compiled or (graphs <= 1 and breaks == 0) or name.split()[1] == "Qwen3-MoE":
+        return ""
+    return (f"{name}: {graphs} graphs, {breaks} graph breaks under torch.compile (expected 1 graph, no break; "
+            f"TORCH_LOGS=graph_breaks,recompiles shows where)")
+
+
+def time_alone(fn, timer: Timer, rounds: int, warmup: int = 2) -> float:
+    """Median ms of fn() over `rounds` calls after `warmup` (compilation included in the warm-up)."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timer(fn) for _ in range(rounds))
+
+
 # ---- memory estimates (bytes; upper-bound style: what autograd keeps plus the largest transient) ----
 
 
@@ -172,7 +222,11 @@ def training_models(args):
     return {
         "dense backbone": (moe_config(H, 2 * f, 1, 1, layers=L, moe_layers=[]), True),
         "GPT-MoE E=8 k=2": (moe_config(H, f, 8, 2, layers=L), False),
+        "Qwen3-MoE E=8 k=2": (qwen3_config(H, f, 8, 2, L), False),
     }
+
+
+ALL_EXPERTS = "GPT-MoE, all_experts"
 
 
 def decode_models(args):
@@ -180,6 +234,10 @@ def decode_models(args):
     return {
         "dense backbone": moe_config(H, 2 * f, 1, 1, layers=L, moe_layers=[]),
         "GPT-MoE": moe_config(H, f, 8, 2, layers=L),
+        # the same model with every expert run on every token (the CUDA-graph-safe decoding form of other GPUs): which
+        # of the two decodes faster on this card decides the capability table's decoding rows
+        ALL_EXPERTS: moe_config(H, f, 8, 2, layers=L),
+        "Qwen3-MoE grouped_mm": qwen3_config(H, f, 8, 2, L),
     }
 
 
@@ -260,17 +318,19 @@ def layer_section(args, device, dtype, timer):
     return lines
 
 
-def training_section(args, device, dtype, timer):
+def training_section(args, device, dtype, timer, problems):
+    """Each model alone after `fresh_dynamo()`: built, compiled, warmed up, timed, its graphs counted, freed."""
     B, S = args.batch, args.seq
     ids = torch.randint(0, 32000, (B, S), device=device)
-    variants, configs, skipped = {}, {}, {}
+    results, skipped = {}, {}
     for name, (config, dense) in training_models(args).items():
         why = fits(estimate_training(config, dense, B, S), args.memory)
         if why:
             skipped[name] = why
             continue
+        fresh_dynamo()
         torch.manual_seed(0)
-        model = GPTMoEForCausalLM(config).to(device, dtype).train()
+        model = build_model(config).to(device, dtype).train()
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
         compiled = torch.compile(model) if args.compile else model
 
@@ -279,52 +339,66 @@ def training_section(args, device, dtype, timer):
             o.step()
             o.zero_grad(set_to_none=True)
 
-        variants[name], configs[name] = step, (config, dense)
+        ms = time_alone(step, timer, args.rounds)
+        graphs, breaks = dynamo_graphs()
+        problems.append(graph_problem(f"training {name}", graphs, breaks, args.compile))
+        results[name] = (ms, graphs, breaks, config, dense)
+        print(f"training {name}: {ms:.1f} ms/step, {graphs} graphs / {breaks} breaks", flush=True)
+        del model, optimizer, compiled, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     peak = peak_bf16_tflops(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     L, H, f = args.model_layers, args.model_hidden, args.model_inner
     lines = [f"### Training step (B={B}, S={S}, H={H}, f={f}, {L} layers, AdamW, compile={args.compile}; "
-             f"peak {f'{peak:.0f} TFLOPS bf16' if peak else 'unknown for this card: no MFU'})", "",
-             "| model | ms/step | tokens/s | vs dense | MFU |", "|---|---|---|---|---|"]
-    if "dense backbone" in variants:
-        for name, (ms, ratio) in interleaved(variants, "dense backbone", timer, args.rounds).items():
-            tps = B * S / (ms / 1e3)
-            mfu = f"{flops_per_token(*configs[name], S) * tps / (peak * 1e12):.1%}" if peak else "n/a"
-            lines.append(f"| {name} | {ms:.1f} | {tps:,.0f} | {1 / ratio:.2f}x | {mfu} |")
-    lines += [f"| {name} | {why} | | | |" for name, why in skipped.items()]
+             f"peak {f'{peak:.0f} TFLOPS bf16' if peak else 'unknown for this card: no MFU'}; each model alone "
+             f"after torch._dynamo.reset())", "",
+             "| model | ms/step | tokens/s | vs dense | vs Qwen3-MoE | MFU | graphs / breaks |",
+             "|---|---|---|---|---|---|---|"]
+    base = {ref: results[ref][0] for ref in ("dense backbone", "Qwen3-MoE E=8 k=2") if ref in results}
+    for name, (ms, graphs, breaks, config, dense) in results.items():
+        tps = B * S / (ms / 1e3)
+        mfu = f"{flops_per_token(config, dense, S) * tps / (peak * 1e12):.1%}" if peak else "n/a"
+        vs = [f"{base[ref] / ms:.2f}x" if ref in base else "n/a" for ref in ("dense backbone", "Qwen3-MoE E=8 k=2")]
+        lines.append(f"| {name} | {ms:.1f} | {tps:,.0f} | {vs[0]} | {vs[1]} | {mfu} | {graphs} / {breaks} |")
+    lines += [f"| {name} | {why} | | | | | |" for name, why in skipped.items()]
     return lines
 
 
-def decode_section(args, device, dtype, timer):
-    H, f, E, k, L = args.model_hidden, args.model_inner, 8, 2, args.model_layers
-    new_tokens = args.new_tokens
-    lines = [f"### Greedy decoding, static cache + compiled decode step ({new_tokens} new tokens, {L} layers, H={H})", "",
-             "| batch | model | tokens/s | vs dense |", "|---|---|---|---|"]
+def decode_section(args, device, dtype, timer, problems):
+    """Each model alone after `fresh_dynamo()` (Transformers compiles the static-cache decode step itself on CUDA):
+    the decode step must compile once, not recompile per layer or per step."""
+    H, L, new_tokens = args.model_hidden, args.model_layers, args.new_tokens
+    how = "static cache + compiled decode step" if args.compile else "dynamic cache, eager (--no_compile)"
+    lines = [f"### Greedy decoding, {how} ({new_tokens} new tokens, {L} layers, H={H}; "
+             f"each model alone after torch._dynamo.reset())", "",
+             "| batch | model | tokens/s | vs dense | graphs / breaks |", "|---|---|---|---|---|"]
     for B in args.decode_batches:
         ids = torch.randint(0, 32000, (B, 16), device=device)
-        qcfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=H, moe_intermediate_size=f, intermediate_size=k * f,
-                              num_hidden_layers=L, num_attention_heads=max(1, H // 128),
-                              num_key_value_heads=max(1, H // 512), num_experts=E, num_experts_per_tok=k,
-                              norm_topk_prob=True)
-        qcfg._experts_implementation = "grouped_mm"
-        configs = decode_models(args)
-        builders = {name: (lambda c=c: GPTMoEForCausalLM(c)) for name, c in configs.items()}
-        builders["Qwen3-MoE grouped_mm"] = lambda: Qwen3MoeForCausalLM(qcfg)
-        variants = {}
-        for name, build in builders.items():
-            why = fits(estimate_decoding(configs.get(name, configs["GPT-MoE"]), B, 16 + new_tokens), args.memory)
+        results = {}
+        for name, config in decode_models(args).items():
+            why = fits(estimate_decoding(config, B, 16 + new_tokens), args.memory)
             if why:
-                lines.append(f"| {B} | {name} | {why} | |")
+                lines.append(f"| {B} | {name} | {why} | | |")
                 continue
+            fresh_dynamo()
             torch.manual_seed(0)
-            model = build().to(device, dtype).eval()
+            model = build_model(config).to(device, dtype).eval()
+            if name == ALL_EXPERTS:
+                for module in model.modules():
+                    if isinstance(module, Experts):
+                        module.dispatch = "all_experts"
             kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             if args.compile:
                 kwargs["cache_implementation"] = "static"
-            variants[name] = lambda m=model, kw=kwargs: m.generate(ids, **kw)
-        if "dense backbone" in variants:
-            res = interleaved(variants, "dense backbone", timer, max(3, args.rounds // 2), warmup=2)
-            for name, (ms, ratio) in res.items():
-                lines.append(f"| {B} | {name} | {B * new_tokens / (ms / 1e3):,.0f} | {1 / ratio:.2f}x |")
+            ms = time_alone(lambda m=model: m.generate(ids, **kwargs), timer, max(3, args.rounds // 2))
+            graphs, breaks = dynamo_graphs()
+            problems.append(graph_problem(f"decode {name} batch {B}", graphs, breaks, args.compile))
+            results[name] = (ms, graphs, breaks)
+            print(f"decode {name} batch {B}: {ms:.1f} ms per generate, {graphs} graphs / {breaks} breaks", flush=True)
+            del model
+        for name, (ms, graphs, breaks) in results.items():
+            vs = f"{results['dense backbone'][0] / ms:.2f}x" if "dense backbone" in results else "n/a"
+            lines.append(f"| {B} | {name} | {B * new_tokens / (ms / 1e3):,.0f} | {vs} | {graphs} / {breaks} |")
     return lines
 
 
@@ -334,7 +408,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer rounds")
     parser.add_argument("--plan", action="store_true",
                         help="print the cases, their memory estimates and what 80 GB / 141 GB cards skip; run nothing")
-    parser.add_argument("--sections", nargs="+", default=["layer", "training", "decode"])
+    parser.add_argument("--sections", nargs="+", default=["layer", "training", "decode"],
+                        choices=["layer", "training", "decode"])
     parser.add_argument("--no_compile", dest="compile", action="store_false")
     parser.add_argument("--out", help="also write the markdown tables to this file")
     args = parser.parse_args(argv)
@@ -359,14 +434,18 @@ def main(argv=None):
     header = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU smoke run (not a measurement)"
     out = [f"## benchmarks/gpu.py on {header}, torch {torch.__version__}", ""]
     print(out[0], flush=True)
-    sections = {"layer": layer_section, "training": training_section, "decode": decode_section}
+    sections = {"layer": lambda *a: layer_section(*a[:4]), "training": training_section, "decode": decode_section}
+    problems = []
     for name in args.sections:
-        lines = sections[name](args, device, dtype, timer) + [""]
+        lines = sections[name](args, device, dtype, timer, problems) + [""]
         print("\n".join(lines), flush=True)
         out += lines
         if args.out:  # written after every section: a later failure keeps the tables already measured
             with open(args.out, "w") as fh:
                 fh.write("\n".join(out) + "\n")
+    problems = [p for p in problems if p]
+    if problems:
+        sys.exit("benchmarks/gpu.py: a compiled variant is not one graph:\n  " + "\n  ".join(problems))
     return out
 
 

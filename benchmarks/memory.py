@@ -64,7 +64,7 @@ def measure(layout: dict, config: dict, batch: int = 2, length: int = 32) -> dic
                       ep_size=layout.get("ep"))
     torch.manual_seed(0)
     model = GPTMoEForCausalLM(GPTMoEConfig(**config)).train()
-    model, pipe = split_model(model, SimpleNamespace(**sizes, gradient_accumulation_steps=2), dp)
+    model, pipe = split_model(model, SimpleNamespace(**sizes, gradient_accumulation_steps=2, fsdp_reshard_after_forward=True), dp)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids = torch.randint(3, config["vocab_size"], (batch, length), generator=torch.Generator().manual_seed(dp.rank))
     if pipe is not None:

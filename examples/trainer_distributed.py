@@ -20,7 +20,7 @@ the per-step losses and of the parameters after training; with --check it exits 
 
 Router losses: given the label tokens of the whole step (`num_items_in_batch`, which the Trainer passes and the
 reference passes too), the model weighs each micro-batch's router losses by its share of them, as it divides the LM
-loss (README, Fine-tuning with Transformers' Trainer).
+loss (docs/training.md, Transformers' Trainer).
 """
 
 from __future__ import annotations

@@ -1,38 +1,131 @@
 """hf_ppmoe: Mixture-of-Experts models for Hugging Face Transformers, built the Pipeline-MoE way.
 
-Importing the package registers our configs and models with Transformers' Auto classes.
+Importing the package registers our configs and models with Transformers' Auto classes, and costs no more than
+`import transformers`: submodules and public names load on first use (module `__getattr__`, as Transformers' own
+`_LazyModule`), and the Auto classes learn our model types by name (once they are imported: now, or when they load
+later), resolving the classes from this package only when a model of ours is asked for (as Transformers' own models
+are). Resolving a model class also registers the plan
+styles our configs name ("ppmoe_ffn", ...) with Transformers (`hf_ppmoe.parallel`).
 """
 
-import torch.distributed
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+from __future__ import annotations
 
-from .modeling import (
-    GPTMoEConfig,
-    GPTMoEForCausalLM,
-    GPTMoEModel,
-    Seq2SeqMoEConfig,
-    Seq2SeqMoEForConditionalGeneration,
-    Seq2SeqMoEModel,
-)
-
-if torch.distributed.is_available():
-    from . import parallel  # registers the plan styles our configs name ("ppmoe_ffn", ...) with Transformers
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 __version__ = "0.1.0"
 
-AutoConfig.register(GPTMoEConfig.model_type, GPTMoEConfig, exist_ok=True)
-AutoModel.register(GPTMoEConfig, GPTMoEModel, exist_ok=True)
-AutoModelForCausalLM.register(GPTMoEConfig, GPTMoEForCausalLM, exist_ok=True)
+_PUBLIC = {  # name -> submodule that defines it
+    "GPTMoEConfig": "modeling",
+    "GPTMoEForCausalLM": "modeling",
+    "GPTMoEModel": "modeling",
+    "Seq2SeqMoEConfig": "modeling",
+    "Seq2SeqMoEForConditionalGeneration": "modeling",
+    "Seq2SeqMoEModel": "modeling",
+}
+_SUBMODULES = ("cli", "conversion", "generation", "modeling", "moe", "parallel", "peft", "training", "utils")
+# model_type -> (config class, {Auto class: model class}); tests/test_lazy_import.py checks them against the classes
+_MODELS = {
+    "gpt_moe": ("GPTMoEConfig", {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}),
+    "seq2seq_moe": ("Seq2SeqMoEConfig", {"AutoModel": "Seq2SeqMoEModel",
+                                         "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}),
+}
 
-AutoConfig.register(Seq2SeqMoEConfig.model_type, Seq2SeqMoEConfig, exist_ok=True)
-AutoModel.register(Seq2SeqMoEConfig, Seq2SeqMoEModel, exist_ok=True)
-AutoModelForSeq2SeqLM.register(Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration, exist_ok=True)
+__all__ = list(_PUBLIC)
 
-__all__ = [
-    "GPTMoEConfig",
-    "GPTMoEForCausalLM",
-    "GPTMoEModel",
-    "Seq2SeqMoEConfig",
-    "Seq2SeqMoEForConditionalGeneration",
-    "Seq2SeqMoEModel",
-]
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        module = importlib.import_module(f".{_PUBLIC[name]}", __name__)
+        if not name.endswith("Config"):
+            _register_plan_styles()
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    if name in _SUBMODULES:
+        return importlib.import_module(f".{name}", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC) | set(_SUBMODULES))
+
+
+def _register_plan_styles() -> None:
+    import torch.distributed
+
+    if torch.distributed.is_available():
+        from . import parallel  # noqa: F401  registers "ppmoe_ffn", ... with Transformers' tensor parallelism
+
+
+def _register_by_name() -> bool:
+    """Teach the Auto classes our model types the way they know Transformers' own: names, resolved on first use
+    through this module's `__getattr__`. Uses the lazy mappings' tables (transformers.models.auto); returns False
+    where they are not as expected, and the caller registers the classes themselves (the public `register` API)."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    mappings = {name: getattr(modeling_auto, name)._model_mapping
+                for name in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM")}
+    config_mapping = configuration_auto.CONFIG_MAPPING
+    tables = [config_mapping, *mappings.values()]
+    if not all(hasattr(t, "_modules") for t in tables) or not hasattr(config_mapping, "_mapping") or not all(
+        hasattr(m, attr) for m in mappings.values() for attr in ("_reverse_config_mapping", "_model_mapping")
+    ):
+        return False
+    package = sys.modules[__name__]
+    for model_type, (config_name, models) in _MODELS.items():
+        module_name = configuration_auto.model_type_to_module_name(model_type)
+        config_mapping._mapping[model_type] = config_name  # CONFIG_MAPPING_NAMES: one table, shared by every mapping
+        config_mapping._modules[module_name] = package
+        for auto, model_name in models.items():
+            mapping = mappings[auto]
+            mapping._reverse_config_mapping[config_name] = model_type
+            mapping._model_mapping[model_type] = model_name
+            mapping._modules[module_name] = package
+    return True
+
+
+def _register_classes() -> None:
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    autos = {"AutoModel": AutoModel, "AutoModelForCausalLM": AutoModelForCausalLM,
+             "AutoModelForSeq2SeqLM": AutoModelForSeq2SeqLM}
+    for model_type, (config_name, models) in _MODELS.items():
+        config = __getattr__(config_name)
+        AutoConfig.register(model_type, config, exist_ok=True)
+        for auto, model_name in models.items():
+            autos[auto].register(config, __getattr__(model_name), exist_ok=True)
+
+
+def _register() -> None:
+    if not _register_by_name():
+        _register_classes()
+
+
+class _RegisterWhenAutoLoads(importlib.abc.MetaPathFinder):
+    """Runs `_register` right after Transformers' Auto classes (transformers.models.auto) are imported, so that
+    `import hf_ppmoe` alone imports neither Transformers nor torch (the `hf-ppmoe` commands answer `--help` and
+    refuse bad flags before torch loads) and the Auto classes still know our models whenever they are used."""
+
+    def find_spec(self, name, path, target=None):
+        if name != _AUTO:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _register()
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+_AUTO = "transformers.models.auto"
+if _AUTO in sys.modules:
+    _register()
+elif not any(isinstance(finder, _RegisterWhenAutoLoads) for finder in sys.meta_path):
+    sys.meta_path.insert(0, _RegisterWhenAutoLoads())

@@ -17,22 +17,26 @@ def run(command: str, rest: list[str]) -> int:
 
         return cli(rest, prog="hf-ppmoe train")
     if command == "megatron":
-        from .conversion.megatron_checkpoint import main as megatron
+        from .conversion.commands import megatron_main
 
-        return megatron(rest, prog="hf-ppmoe megatron")
+        return megatron_main(rest, prog="hf-ppmoe megatron")
     if command == "demo":
-        from .training.demo import DemoArguments, run_demo
+        from .training.demo_arguments import DemoArguments
 
-        run_demo(parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=COMMANDS["demo"]))
+        args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=COMMANDS["demo"])
+        from .training.demo import run_demo  # torch: after the flags were checked
+
+        run_demo(args)
         return 0
 
     from .conversion.commands import COMMANDS as CONVERSIONS
-    from .conversion.mapping import ConversionError
-    from .utils.atomic import OutOfSpaceError
 
     arguments, convert, description = CONVERSIONS[command]
     args = parse_arguments(arguments, rest, prog=f"hf-ppmoe {command}", description=description,
                            positionals={"source": "SRC", "output": "OUT"})
+    from .conversion.mapping import ConversionError  # torch: after the flags were checked
+    from .utils.atomic import OutOfSpaceError
+
     try:
         out = convert(args)
     except (ConversionError, FileExistsError) as err:  # refused: nothing was written

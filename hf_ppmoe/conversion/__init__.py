@@ -7,32 +7,33 @@ export.py); `megatron_checkpoint.py`: GPT-MoE <-> Megatron-LM weights.
 Each conversion is a chain of declarative, reversible weight-name tables (`mapping.py`) applied lazily to a source
 read with `safe_open`, checked whole on meta tensors, and written tensor by tensor into a temporary folder that is
 renamed into place at the end.
+
+Names load on first use (module `__getattr__`): `hf-ppmoe upcycle|merge|import|export --help` and their argument
+errors print before torch is imported (commands.py and choices.py need only the standard library).
 """
 
-from .architectures import ARCHITECTURES, Architecture, get_architecture
-from .export import TARGETS, export_moe, export_reasons
-from .mapping import ConversionError, Mapping, Rule
-from .merge import MERGE_METHODS, expert_usage, merge_experts
-from .upcycle import ROUTER_INITS, expert_output_scale, experts_mapping, gate_renormalizes, import_moe, moe_ffns, upcycle
+import importlib
 
-__all__ = [
-    "ARCHITECTURES",
-    "Architecture",
-    "ConversionError",
-    "MERGE_METHODS",
-    "Mapping",
-    "ROUTER_INITS",
-    "Rule",
-    "TARGETS",
-    "expert_output_scale",
-    "expert_usage",
-    "export_moe",
-    "export_reasons",
-    "experts_mapping",
-    "gate_renormalizes",
-    "get_architecture",
-    "import_moe",
-    "merge_experts",
-    "moe_ffns",
-    "upcycle",
-]
+_NAMES = {
+    "ARCHITECTURES": "architectures", "Architecture": "architectures", "get_architecture": "architectures",
+    "TARGETS": "export", "export_moe": "export", "export_reasons": "export",
+    "ConversionError": "mapping", "Mapping": "mapping", "Rule": "mapping",
+    "MERGE_METHODS": "choices", "ROUTER_INITS": "choices",
+    "expert_usage": "merge", "merge_experts": "merge",
+    "expert_output_scale": "upcycle", "experts_mapping": "upcycle", "gate_renormalizes": "upcycle",
+    "import_moe": "upcycle", "moe_ffns": "upcycle", "upcycle": "upcycle",
+}
+
+__all__ = sorted(_NAMES)
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_NAMES))

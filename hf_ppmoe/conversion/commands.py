@@ -1,16 +1,14 @@
 """`hf-ppmoe upcycle SRC OUT`, `hf-ppmoe merge SRC OUT`, `hf-ppmoe import SRC OUT`, `hf-ppmoe export SRC OUT --to NAME`:
-arguments and runners."""
+arguments and runners. The arguments need only the standard library (their help and errors print before torch is
+imported); the runners import the converters when they run."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..modeling import GPTMoEConfig
-from .export import TARGETS, export_moe
-from .io import parse_size
-from .merge import MERGE_METHODS, merge_experts
-from .upcycle import ROUTER_INITS, default_experts_per_token, import_moe, upcycle
+from .choices import EXPORT_CLASSES, MERGE_METHODS, ROUTER_INITS, default_experts_per_token, parse_size
 
 
 def _help(text: str) -> dict:
@@ -19,8 +17,8 @@ def _help(text: str) -> dict:
 
 @dataclass
 class _Paths:
-    source: str = field(metadata=_help("Model folder (or Hub id) to convert."))
-    output: str = field(metadata=_help("Output folder; must not exist yet unless --overwrite."))
+    source: str = field(metadata={**_help("Model folder (or Hub id) to convert."), "path": "model"})
+    output: str = field(metadata={**_help("Output folder; must not exist yet unless --overwrite."), "path": "output_folder"})
 
 
 @dataclass
@@ -31,9 +29,7 @@ class _Output:
     def __post_init__(self):
         """Refuse, before anything is read, what the conversion would refuse only at its end (ValueError)."""
         parse_size(self.max_shard_size)
-        output = Path(self.output)
-        if output.is_file():
-            raise ValueError(f"{output} is a file; the output must be a folder.")
+        output = Path(self.output)  # a file or an unwritable place: utils.paths, after this
         if output.is_dir() and any(output.iterdir()) and not self.overwrite:
             raise ValueError(f"{output} already exists; choose a new output folder or pass --overwrite.")
 
@@ -53,7 +49,7 @@ class UpcycleArguments(_Output, _Paths):
     decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
     router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
-    sample_file: str | None = field(default=None, metadata=_help("router_init=hidden: a file with one text per expert, one per line."))
+    sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line."), "path": "input_file"})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
@@ -63,6 +59,8 @@ class UpcycleArguments(_Output, _Paths):
         """Also the MoE settings the target config refuses whatever the source is (the checks both families share,
         run on a GPT-MoE config), before the source is read."""
         super().__post_init__()
+        from ..modeling.configuration_gpt_moe import GPTMoEConfig
+
         GPTMoEConfig(
             num_experts=self.num_experts,
             num_experts_per_tok=default_experts_per_token(self.router_type, self.num_experts_per_tok),
@@ -78,7 +76,7 @@ class MergeArguments(_Output, _Paths):
     method: str = field(default="mean", metadata=_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."))
     expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
-    sample_file: str | None = field(default=None, metadata=_help("method=usage: a file of texts, one per line."))
+    sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line."), "path": "input_file"})
 
 
 @dataclass
@@ -89,7 +87,7 @@ class ImportArguments(_Output, _Paths):
 @dataclass
 class _Target:
     to: str = field(metadata={"help": "Transformers class to export to, by model_type: " + ", ".join(
-        f"{t.name} ({t.class_name})" for t in TARGETS.values()), "choices": list(TARGETS)})
+        f"{name} ({class_name})" for name, class_name in EXPORT_CLASSES.items()), "choices": list(EXPORT_CLASSES)})
 
 
 @dataclass
@@ -114,6 +112,8 @@ def _stack_placement(args: UpcycleArguments) -> dict:
 
 
 def run_upcycle(args: UpcycleArguments) -> Path:
+    from .upcycle import upcycle
+
     return upcycle(
         args.source,
         num_experts=args.num_experts,
@@ -136,6 +136,8 @@ def run_upcycle(args: UpcycleArguments) -> Path:
 
 
 def run_merge(args: MergeArguments) -> Path:
+    from .merge import merge_experts
+
     return merge_experts(
         args.source,
         method=args.method,
@@ -149,12 +151,16 @@ def run_merge(args: MergeArguments) -> Path:
 
 
 def run_import(args: ImportArguments) -> Path:
+    from .upcycle import import_moe
+
     return import_moe(
         args.source, save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
     )
 
 
 def run_export(args: ExportArguments) -> Path:
+    from .export import export_moe
+
     return export_moe(
         args.source, args.output, to=args.to, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
     )
@@ -167,3 +173,82 @@ COMMANDS = {
     "export": (ExportArguments, run_export, "Export a GPT-MoE / Seq2Seq-MoE to Transformers' own MoE class where it "
                "fits exactly (else the list of reasons)."),
 }
+
+
+# ---- `hf-ppmoe megatron to-megatron|to-hf` (python -m hf_ppmoe.conversion.megatron_checkpoint) ----
+
+
+@dataclass
+class ToMegatronArguments:
+    source: str = field(metadata={"help": "GPT-MoE folder to convert.", "path": "input_folder"})
+    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite.", "path": "output_folder"})
+    tp: int = field(default=1, metadata={"help": "Tensor-parallel size (= expert-parallel size)."})
+    pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
+    make_vocab_size_divisible_by: int = field(default=128, metadata={"help": "As Megatron-LM's argument."})
+    overwrite: bool = field(default=False, metadata={"help": "Replace OUT if it exists."})
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} {getattr(self, name)}: must be at least 1")
+
+
+@dataclass
+class ToHFArguments:
+    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert.", "path": "input_folder"})
+    output: str = field(metadata={"help": "GPT-MoE folder to write.", "path": "output_folder"})
+    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model.", "path": "input"})
+    trust_checkpoint: bool = field(
+        default=False, metadata={"help": "Allow pickled Python objects (Megatron-LM's args) when loading."}
+    )
+
+
+def run_to_megatron(args: ToMegatronArguments) -> Path:
+    from .megatron_checkpoint import convert_hf_to_megatron
+
+    return convert_hf_to_megatron(
+        args.source, args.output, tp=args.tp, pp=args.pp, overwrite=args.overwrite,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+    )
+
+
+def run_to_hf(args: ToHFArguments) -> Path:
+    from .megatron_checkpoint import convert_megatron_to_hf
+
+    convert_megatron_to_hf(args.source, args.output, args.config, weights_only=not args.trust_checkpoint)
+    return Path(args.output)
+
+
+MEGATRON_COMMANDS = {
+    "to-megatron": (ToMegatronArguments, run_to_megatron, "GPT-MoE folder -> Megatron-LM release checkpoint (legacy "
+                    "torch format, TP x PP, experts on the TP group)."),
+    "to-hf": (ToHFArguments, run_to_hf, "Megatron-LM checkpoint of a GPT-MoE -> GPT-MoE folder."),
+}
+
+
+def megatron_main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron_checkpoint") -> int:
+    """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG`. Bad flags and refusals
+    end as one `PROG: error: ...` line with exit code 2 (SystemExit, as argparse's own errors)."""
+    from ..utils.arguments import parse_arguments
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] not in MEGATRON_COMMANDS:
+        listing = "\n".join(f"  {name:<12} {help}" for name, (_, _, help) in MEGATRON_COMMANDS.items())
+        usage = f"usage: {prog} {{{','.join(MEGATRON_COMMANDS)}}} SRC OUT [options] (--help)\n\ncommands:\n{listing}\n"
+        if argv and argv[0] in ("-h", "--help"):
+            print(usage)
+            return 0
+        sys.stderr.write(usage)
+        raise SystemExit(2)
+    arguments, run, description = MEGATRON_COMMANDS[argv[0]]
+    args = parse_arguments(arguments, argv[1:], prog=f"{prog} {argv[0]}", description=description,
+                           positionals={"source": "SRC", "output": "OUT"})
+    from .mapping import ConversionError  # torch: after the flags were checked
+
+    try:
+        out = run(args)
+    except (ConversionError, OSError, ValueError) as err:  # refusals and missing files: one line, no traceback
+        sys.stderr.write(f"{prog}: error: {err}\n")
+        raise SystemExit(2) from None
+    print(f"wrote {out}")
+    return 0

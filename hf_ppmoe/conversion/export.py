@@ -48,6 +48,7 @@ import torch
 
 from ..modeling import GPTMoEConfig, Seq2SeqMoEConfig
 from .architectures import ARCHITECTURES, _llama_names, expert_rules
+from .choices import EXPORT_CLASSES
 from .io import open_checkpoint
 from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
 from .delivery import deliver, expected_tensors
@@ -327,7 +328,8 @@ def _switch_config(c):
         num_experts=c.num_experts,
         router_bias=False,
         router_jitter_noise=0.0,
-        router_dtype="float32",  # ours routes in float32
+        router_dtype="float32",  # Switch's only exact choice; ours with router_dtype=None computes the GEMM in the
+        # activations' dtype, the same in float32 (the dtype the export checks)
         relative_attention_num_buckets=c.relative_attention_num_buckets,
         relative_attention_max_distance=c.relative_attention_max_distance,
         dropout_rate=c.hidden_dropout,
@@ -398,13 +400,13 @@ class Target:
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in [
-        Target("mixtral", GPTMoEConfig.model_type, "MixtralForCausalLM", _mixtral_reasons, _mixtral_config,
+        Target("mixtral", GPTMoEConfig.model_type, EXPORT_CLASSES["mixtral"], _mixtral_reasons, _mixtral_config,
                _imported("mixtral")),
-        Target("qwen2_moe", GPTMoEConfig.model_type, "Qwen2MoeForCausalLM", _qwen2_moe_reasons, _qwen2_moe_config,
+        Target("qwen2_moe", GPTMoEConfig.model_type, EXPORT_CLASSES["qwen2_moe"], _qwen2_moe_reasons, _qwen2_moe_config,
                _qwen2_moe_mapping),
-        Target("qwen3_moe", GPTMoEConfig.model_type, "Qwen3MoeForCausalLM", _qwen3_moe_reasons, _qwen3_moe_config,
+        Target("qwen3_moe", GPTMoEConfig.model_type, EXPORT_CLASSES["qwen3_moe"], _qwen3_moe_reasons, _qwen3_moe_config,
                _imported("qwen3_moe")),
-        Target("switch_transformers", Seq2SeqMoEConfig.model_type, "SwitchTransformersForConditionalGeneration",
+        Target("switch_transformers", Seq2SeqMoEConfig.model_type, EXPORT_CLASSES["switch_transformers"],
                _switch_reasons, _switch_config, _imported("switch_transformers")),
     ]
 }

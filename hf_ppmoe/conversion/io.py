@@ -33,6 +33,7 @@ from ..utils.integrity import (
     check_inside,
     verify_checksums,
 )
+from .choices import parse_size
 from .mapping import ConversionError, DictSource, TensorSource, shape_str
 
 # files of a source folder that are not carried into the output: weights, the config (rewritten), code, checksums
@@ -158,22 +159,6 @@ def open_checkpoint(src, config_loader: Callable[[Path], object]) -> Checkpoint:
     folder = resolve_folder(src)
     config = config_loader(folder)
     return Checkpoint(config, SafetensorsSource(folder), folder=folder, source=str(src))
-
-
-def parse_size(size: int | str) -> int:
-    """5000000, "5GB", "500MB", "2GiB" -> bytes."""
-    if isinstance(size, int):
-        return size
-    text = size.strip().upper()
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-    unit = next((u for u in units if text.endswith(u)), "")
-    try:
-        number = float(text[: len(text) - len(unit)])
-    except ValueError:
-        number = math.nan
-    if not number > 0 or math.isinf(number):
-        raise ValueError(f"max_shard_size {size!r}: give a size such as 5GB, 500MB or 2GiB, or a number of bytes.")
-    return int(number * units.get(unit, 1))
 
 
 def write_safetensors(

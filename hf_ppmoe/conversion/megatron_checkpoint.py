@@ -15,7 +15,6 @@ import argparse
 import pickle
 import re
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -471,74 +470,11 @@ def convert_megatron_to_hf(megatron_path, out, config, *, weights_only: bool = T
     return model
 
 
-@dataclass
-class ToMegatronArguments:
-    source: str = field(metadata={"help": "GPT-MoE folder to convert."})
-    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite."})
-    tp: int = field(default=1, metadata={"help": "Tensor-parallel size (= expert-parallel size)."})
-    pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
-    make_vocab_size_divisible_by: int = field(default=128, metadata={"help": "As Megatron-LM's argument."})
-    overwrite: bool = field(default=False, metadata={"help": "Replace OUT if it exists."})
-
-    def __post_init__(self):
-        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)}: must be at least 1")
-
-
-@dataclass
-class ToHFArguments:
-    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert."})
-    output: str = field(metadata={"help": "GPT-MoE folder to write."})
-    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model."})
-    trust_checkpoint: bool = field(
-        default=False, metadata={"help": "Allow pickled Python objects (Megatron-LM's args) when loading."}
-    )
-
-
-def run_to_megatron(args: ToMegatronArguments) -> Path:
-    return convert_hf_to_megatron(
-        args.source, args.output, tp=args.tp, pp=args.pp, overwrite=args.overwrite,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-    )
-
-
-def run_to_hf(args: ToHFArguments) -> Path:
-    convert_megatron_to_hf(args.source, args.output, args.config, weights_only=not args.trust_checkpoint)
-    return Path(args.output)
-
-
-COMMANDS = {
-    "to-megatron": (ToMegatronArguments, run_to_megatron, "GPT-MoE folder -> Megatron-LM release checkpoint (legacy "
-                    "torch format, TP x PP, experts on the TP group)."),
-    "to-hf": (ToHFArguments, run_to_hf, "Megatron-LM checkpoint of a GPT-MoE -> GPT-MoE folder."),
-}
-
-
 def main(argv=None, prog: str = "python -m hf_ppmoe.conversion.megatron_checkpoint") -> int:
-    """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG`. Bad flags and refusals
-    end as one `PROG: error: ...` line with exit code 2 (SystemExit, as argparse's own errors)."""
-    from ..utils.arguments import parse_arguments
+    """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG` (commands.py)."""
+    from .commands import megatron_main
 
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in COMMANDS:
-        listing = "\n".join(f"  {name:<12} {help}" for name, (_, _, help) in COMMANDS.items())
-        usage = f"usage: {prog} {{{','.join(COMMANDS)}}} SRC OUT [options] (--help)\n\ncommands:\n{listing}\n"
-        if argv and argv[0] in ("-h", "--help"):
-            print(usage)
-            return 0
-        sys.stderr.write(usage)
-        raise SystemExit(2)
-    arguments, run, description = COMMANDS[argv[0]]
-    args = parse_arguments(arguments, argv[1:], prog=f"{prog} {argv[0]}", description=description,
-                           positionals={"source": "SRC", "output": "OUT"})
-    try:
-        out = run(args)
-    except (ConversionError, OSError, ValueError) as err:  # refusals and missing files: one line, no traceback
-        sys.stderr.write(f"{prog}: error: {err}\n")
-        raise SystemExit(2) from None
-    print(f"wrote {out}")
-    return 0
+    return megatron_main(argv, prog)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ from pathlib import Path
 import torch
 
 from .architectures import get_architecture
+from .choices import MERGE_METHODS
 from .io import open_checkpoint
 from .mapping import ConversionError
 from .delivery import deliver
 from .upcycle import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
 
-MERGE_METHODS = ("mean", "usage", "expert")
 
 
 @torch.no_grad()

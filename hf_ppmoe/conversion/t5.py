@@ -211,8 +211,8 @@ def switch_rules(c, names=frozenset()) -> list[Rule]:
 
 
 def switch_fields(c, names=frozenset()) -> dict:
-    """Switch's router as our "switch" gate. Refused: a router bias (ours has none), routing in another dtype than
-    float32 (ours always routes in float32), a gated FFN (Transformers' Switch has none). Its expert_capacity, an
+    """Switch's router as our "switch" gate, with router_dtype="float32" as Switch's. Refused: a router bias (ours
+    has none), a router dtype other than float32 (ours: float32 or the activations'), a gated FFN (Transformers' Switch has none). Its expert_capacity, an
     absolute number of tokens per expert and sequence that also drops tokens in evaluation, has no counterpart:
     the import is dropless (capacity_factor=None; pass one to train with a capacity), so its logits equal Switch's
     whenever no expert receives more than expert_capacity tokens of a sequence."""
@@ -220,8 +220,8 @@ def switch_fields(c, names=frozenset()) -> dict:
         text
         for bad, text in (
             (c.router_bias, "router_bias=True (our gate has no bias)"),
-            (c.router_dtype != "float32", f"router_dtype={c.router_dtype!r} (our gates route in float32; set "
-             "router_dtype to 'float32' in config.json to accept that)"),
+            (c.router_dtype != "float32", f"router_dtype={c.router_dtype!r} (our router GEMM runs in float32 or in "
+             "the activations' dtype; set router_dtype to 'float32' in config.json to accept that)"),
             (c.dense_act_fn.startswith("gated-"), f"dense_act_fn={c.dense_act_fn!r} (Switch's FFNs are not gated)"),
         )
         if bad
@@ -236,6 +236,7 @@ def switch_fields(c, names=frozenset()) -> dict:
         capacity_factor=None,
         eval_capacity_factor=None,
         router_jitter_noise=c.router_jitter_noise,
+        router_dtype="float32",
         router_aux_loss_coef=c.router_aux_loss_coef,
         router_z_loss_coef=c.router_z_loss_coef,
         encoder_moe_layers=switch_sparse_layers(c, "encoder"),

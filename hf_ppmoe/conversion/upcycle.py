@@ -26,11 +26,11 @@ import torch
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM, Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
 from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
+from .choices import ROUTER_INITS, default_experts_per_token
 from .io import Checkpoint, open_checkpoint, read_config_dict
 from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, rename
 from .delivery import deliver
 
-ROUTER_INITS = ("zeros", "random", "hidden")
 
 
 # the model class of each target family, by its config's model_type
@@ -269,13 +269,6 @@ def _dense_checkpoint(src, moe: bool) -> tuple[Checkpoint, Architecture, frozens
         renamed = Mapping([rename(k, k if k.startswith("lm_head.") else prefix + k) for k in keys])
         checkpoint.tensors = renamed.apply(checkpoint.tensors)
     return checkpoint, arch, frozenset(checkpoint.tensors.keys())
-
-
-def default_experts_per_token(router_type: str, num_experts_per_tok: int | None) -> int:
-    """Routes per token when none is given: 1 for the switch gate, else 2."""
-    if num_experts_per_tok is not None:
-        return num_experts_per_tok
-    return 1 if router_type == "switch" else 2
 
 
 def _moe_config(arch: Architecture, fields: dict, overrides: dict, **extra):

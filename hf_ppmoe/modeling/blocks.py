@@ -23,6 +23,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
+from ..moe.losses import losses_wanted
 from .common import layer_outputs
 from .norms import build_norm
 
@@ -194,7 +195,7 @@ def capture_moe_outputs(forward):
         flags = {name: kwargs.pop(name, None) for name in _FLAGS}
         flags = {name: getattr(self.config, name) if value is None else value for name, value in flags.items()}
         if kwargs.get("compute_router_losses") is None:
-            kwargs["compute_router_losses"] = torch.is_grad_enabled() or flags["output_router_logits"]
+            kwargs["compute_router_losses"] = losses_wanted(True if flags["output_router_logits"] else None)
         out = captured(self, *args, return_dict=True, **flags, **kwargs)
         if out.router_logits is not None:  # the recorded Routings
             routings = out.router_logits

@@ -64,6 +64,9 @@ class MoEConfig(PreTrainedConfig):
             evaluation; None = dropless. Evaluation defaults to dropless so decoding never drops tokens.
         router_num_groups: GShard's local dispatch groups (capacity and aux loss are per group).
         router_jitter_noise: multiplicative router-input noise in training (Switch).
+        router_dtype: None (default: the router GEMM in the activations' dtype, as Transformers' Mixtral and
+            Qwen3-MoE) or "float32" (the GEMM in float32, as Switch Transformers' router_dtype="float32"). The softmax
+            and routing weights are float32 either way.
         router_random_routing: GShard's random routing of the 2nd expert with probability 2 * g2 (training only).
         router_random_routing_takes_capacity: GShard Algorithm 1 read literally (line 24 counts a second route that
             random routing skipped against e2's capacity); default False: the skipped route frees its slot for later
@@ -88,6 +91,7 @@ class MoEConfig(PreTrainedConfig):
     eval_capacity_factor: float | None = None
     router_num_groups: int = 1
     router_jitter_noise: float = 0.0
+    router_dtype: str | None = None
     router_random_routing: bool = True
     router_random_routing_takes_capacity: bool = False
     norm_topk_prob: bool = True
@@ -140,6 +144,10 @@ class MoEConfig(PreTrainedConfig):
         check(
             0.0 <= self.router_jitter_noise < 1.0,
             f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1) (multiplicative noise 1 +- eps).",
+        )
+        check(
+            self.router_dtype in (None, "float32"),
+            f"router_dtype={self.router_dtype!r}: use None (the activations' dtype) or 'float32'.",
         )
         check(
             self.topk_weighting in ("probs", "m6t"),

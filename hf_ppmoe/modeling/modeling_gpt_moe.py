@@ -190,6 +190,9 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         # positions and masks are sized by the cache of the first layer this model runs: under Transformers' pipeline
         # parallelism the layers a stage does not hold are stand-ins that keep no cache
         cache_layer = next((layer.self_attn.layer_idx for layer in self.layers if hasattr(layer, "self_attn")), 0)
+        # only positions the caller gave reach the mask builder: there they mean packed sequences, which it detects by
+        # reading the device (eager) or by building a [B, 1, L, L] mask (compiled) instead of the causal kernel
+        given_position_ids = position_ids
         if position_ids is None:
             past_seen = cache.get_seq_length(cache_layer) if cache is not None else 0
             if learned and isinstance(past_seen, int) and past_seen + seq_len > config.max_position_embeddings:
@@ -212,7 +215,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             cache=cache,
-            position_ids=position_ids,
+            position_ids=given_position_ids,
             layer_idx=cache_layer,
         )
         # padding tokens are kept out of routing statistics and router losses (a 4D mask carries no such notion)
@@ -228,7 +231,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             cache=cache,
             token_mask=token_mask,
             compute_router_losses=compute_router_losses,
-            position_ids=position_ids,
+            position_ids=given_position_ids,
             **kwargs,
         )
         return GPTMoEModelOutput(

@@ -3,8 +3,8 @@
 from .experts import EXPERTS_FUNCTIONS, MLP, Experts, einsum_dispatch, index_dispatch
 from .kernels import CAPABILITIES, capability_table
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
-from .layer import MoELayer
-from .losses import load_balancing_loss, router_loss, router_z_loss
+from .layer import MoELayer, TokenDispatcher
+from .losses import balance_loss, losses_wanted, route_fractions, router_loss, router_z_loss
 from .routing import Routing, capacity_for, group_size_for, positions_in_expert
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "PrototypeGate",
     "Routing",
     "SwitchGate",
+    "TokenDispatcher",
     "TopKGate",
     "capability_table",
     "capacity_for",
@@ -26,7 +27,9 @@ __all__ = [
     "get_gate_class",
     "group_size_for",
     "index_dispatch",
-    "load_balancing_loss",
+    "balance_loss",
+    "losses_wanted",
+    "route_fractions",
     "router_loss",
     "positions_in_expert",
     "register_gate",

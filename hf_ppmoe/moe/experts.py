@@ -14,7 +14,7 @@ It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K]
 (Transformers' `ExpertsInterface` with ours added), by the name `Experts.implementation` gives for the call:
 
 - `dispatch="index"` (PPMoE Algorithm 1, the default): the capability table (`kernels.CAPABILITIES`) picks
-  `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, weight, scatter back:
+  `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, gather back, weight:
   work proportional to the routes, no padding, no one-hot tensors) or, without gradients, `all_experts` /
   `cpu_decode` (decoding forms).
 - `dispatch="einsum"` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums
@@ -36,7 +36,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ExpertsInterface
 
-from .kernels import aligned, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
+from .kernels import aligned, autocast_dtype, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
 from .routing import capacity_for, group_size_for, positions_in_expert
 
 
@@ -100,7 +100,7 @@ class Experts(nn.Module):
         )
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if self.swiglu and gate_up.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling():
+        if self.swiglu and not torch.compiler.is_compiling():
             return _SwiGLU.apply(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.act_fn(gate) * up
@@ -137,9 +137,7 @@ class Experts(nn.Module):
 def table_choice(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, grad: bool) -> str:
     """The capability table's implementation for this call: device, compute capability, compute dtype (autocast's
     where it is on), eager or compiled, gradients, tokens and routes, and the kernel's 16-byte rule on H and I."""
-    device, dtype = x.device, x.dtype
-    if torch.amp.is_autocast_available(device.type) and torch.is_autocast_enabled(device.type):
-        dtype = torch.get_autocast_dtype(device.type)
+    device, dtype = x.device, autocast_dtype(x.device.type) or x.dtype
     T, K = expert_ids.shape
     ok = aligned(dtype, experts.hidden_dim, experts.intermediate_dim)
     row = capability(device.type, device_capability(device), dtype, torch.compiler.is_compiling(), grad, T, T * K, ok)
@@ -147,25 +145,29 @@ def table_choice(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, gr
 
 
 class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up of a [N, 2I] (gate ; up) GEMM output, with a written-out backward that fills the [N, 2I]
-    gradient in place: autograd's own (split, silu_backward, two products, cat) allocates 160 MB more per 4096 x
-    2 x 2048 float32 block and takes 20% longer (CPU, one thread; a whole E = 8 MoE layer's training step 8% longer).
-    Eager and full precision only: torch.compile fuses autograd's version into one kernel anyway (and cannot trace
-    `out=` into strided views), and in bfloat16/float16 this chain of in-place products would round at every step
-    where autograd's kernels compute in float32 once."""
+    """silu(gate) * up of a [N, 2I] (gate ; up) GEMM output, with a backward that writes the [N, 2I] gradient in
+    place of autograd's two halves and their concatenation (one [N, 2I] copy less per step). In float32 a chain of
+    in-place products (no temporaries: 20% faster than autograd's on CPU); in bfloat16/float16 autograd's own
+    operations, bit for bit, each written into its half. Eager only: torch.compile fuses autograd's version into one
+    kernel anyway (and cannot trace `out=` into strided views)."""
 
     @staticmethod
     def forward(ctx, gate_up: torch.Tensor) -> torch.Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
-        ctx.save_for_backward(gate_up)
-        return F.silu(gate).mul_(up)
+        silu = F.silu(gate)
+        ctx.save_for_backward(gate_up, None if gate_up.dtype == torch.float32 else silu)
+        return silu.mul_(up) if gate_up.dtype == torch.float32 else silu * up
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        (gate_up,) = ctx.saved_tensors
+        gate_up, silu = ctx.saved_tensors
         gate, up = gate_up.chunk(2, dim=-1)
         grad_gate_up = torch.empty_like(gate_up)
         grad_gate, grad_up = grad_gate_up.chunk(2, dim=-1)
+        if silu is not None:  # autograd's: d up = grad * silu(gate); d gate = silu_backward(grad * up, gate)
+            torch.mul(grad, silu, out=grad_up)
+            torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+            return grad_gate_up
         sig = torch.sigmoid(gate)
         torch.mul(gate, sig, out=grad_up).mul_(grad)  # d/d up = silu(gate)
         # d/d gate = up * silu'(gate) = up * sig * (1 + gate * (1 - sig))
@@ -179,46 +181,83 @@ def computes_in_autocast_dtype(fn):
 
     @functools.wraps(fn)
     def wrapper(experts, x, *args):
-        device = x.device.type
-        if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-            with torch.autocast(device, enabled=False):
-                return fn(experts, x.to(torch.get_autocast_dtype(device)), *args)
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None:
+            with torch.autocast(x.device.type, enabled=False):
+                return fn(experts, x.to(dtype), *args)
         return fn(experts, x, *args)
 
     return wrapper
 
 
 def _index(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor, kernel: bool):
-    """PPMoE Algorithm 1 on the device with static shapes: sort the T*K routes by expert once (sentinel routes sort
-    last), gather every route's token row with `index_select`, run all experts as two grouped GEMMs over the sorted
-    rows with device-side offsets, weight, and put each route's output back in token order to sum over its K routes.
+    """PPMoE Algorithm 1 on the device with static shapes: sort the T*K routes by expert once, gather every route's
+    token row, run all experts as two grouped GEMMs over the sorted rows with device-side offsets, and gather each
+    token's K outputs back to sum them with its routing weights.
 
-    No shape depends on the routing, so `torch.compile` traces the layer as one graph and the number of operators does
-    not grow with E; with torch's kernel (`kernel=True`) nothing leaves the device. Sentinel rows (dropped, padding or
-    off-rank routes) are computed on zeros past the last offset and masked out, never removed."""
+    Every expert's block also holds one anchor row of zeros, so no block is empty (an empty group's weight gradient
+    is the kernel's to decide, and some GPUs write garbage there) and a route that goes nowhere (dropped, padding, an
+    expert on another rank: weight 0) reads the last anchor's output, finite (zero without biases). Such routes sort
+    past the last offset, where the kernels compute nothing and write nothing: no row there is ever read again,
+    forward or backward, so nothing is masked. Weight gradients come from torch's own grouped GEMM autograd, in the
+    parameters' layout. No shape depends on the routing: torch.compile traces one graph, and with torch's kernel
+    (`kernel=True`) nothing leaves the device.
+
+    A call without gradients and with few routes (decoding: fewer than 4 per expert, where most experts get none)
+    has one anchor only, in the block of the smallest expert it routes to: an anchor in every block would make the
+    kernel read every expert's weights, which is what bounds a decoding step."""
     T, K = expert_ids.shape
-    E = experts.num_experts
-    sorted_ids, order = torch.sort(expert_ids.reshape(-1), stable=True)  # [T*K], by expert then route; sentinels last
-    counts = torch.zeros(E + 1, dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, sorted_ids, torch.ones_like(sorted_ids, dtype=torch.int32))
-    offsets = counts[:E].cumsum(0, dtype=torch.int32)  # end row of each expert's block
-    valid = (sorted_ids < E).unsqueeze(-1)  # [T*K, 1]
-    # sentinel rows are zeroed before the GEMMs: their gradient, which the kernels leave undefined, stops here
-    x_routed = x.index_select(0, order // K).masked_fill_(~valid, 0.0)  # [T*K, H]
+    E, N = experts.num_experts, expert_ids.numel()
+    ids = expert_ids.reshape(-1)
+    experts_range = torch.arange(E, device=x.device)
+    few = not torch.is_grad_enabled() and N < 4 * E
+    anchors = expert_ids.amin().clamp(max=E - 1).view(1) if few else experts_range
+    sorted_ids, order = torch.sort(torch.cat([ids, anchors]), stable=True)  # sentinels last
+    offsets = torch.searchsorted(sorted_ids, experts_range, right=True, out_int32=True)  # end row of each block
+    A = anchors.numel()
+    row_of = torch.empty_like(order).scatter_(0, order, torch.arange(N + A, device=x.device))  # inverse permutation
+    # each route's row in the sorted order; a route that goes nowhere (sorted past every block) reads an anchor: the
+    # last one, expert E-1's (stable sort: after that expert's routes, the last row of its block), or the only one
+    if few:
+        route_rows = torch.where(ids < E, row_of[:N], row_of[N])
+    else:
+        route_rows = row_of[:N].clamp(max=row_of[N + E - 1])
+    src = order.clamp(max=T - 1) if K == 1 else (order // K).clamp_(max=T - 1)  # each row's token (anchors: any)
+    x_routed = _GatherRoutes.apply(x, src, route_rows, row_of[N:], K)  # [N + A, H], anchor rows zero
     w_in, b_in, w_out, b_out = _parameters(experts, x.dtype)
-    rows_expert = sorted_ids.clamp(max=E - 1)
+    if b_in is not None:  # masked: sentinel rows' undefined gradients must not reach expert E-1's biases
+        valid, rows_expert = (sorted_ids < E).unsqueeze(-1), sorted_ids.clamp(max=E - 1)
     h = grouped_mm(x_routed, w_in, offsets, kernel)
-    if b_in is not None:  # masked: the undefined gradients of sentinel rows must not reach expert E-1's bias
+    if b_in is not None:
         h = h + torch.where(valid, b_in.index_select(0, rows_expert), 0.0)
     y = grouped_mm(experts._activate(h), w_out, offsets, kernel)
     if b_out is not None:
-        y = y + b_out.index_select(0, rows_expert)
-    # masked before the weighting: rows past the last offset are not computed by the kernel and may hold NaN, which a
-    # multiplication by 0 would keep (in the output, and in the routing weights' gradient)
-    y = y.masked_fill_(~valid, 0.0) * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(y.dtype)
-    # back to route order (a permutation: no atomics, deterministic), then each token's K routes summed
-    y = torch.empty_like(y).index_copy_(0, order, y)
-    return y if K == 1 else y.view(T, K, -1).sum(dim=1)
+        y = y + torch.where(valid, b_out.index_select(0, rows_expert), 0.0)
+    y = y.index_select(0, route_rows)  # [T*K, H] in route order
+    if K == 1:
+        return y * weights.to(y.dtype)
+    # each token's weighted sum of its K outputs as one batched product (float32 accumulation, one pass)
+    return torch.bmm(weights.to(y.dtype).unsqueeze(1), y.view(T, K, -1)).squeeze(1)
+
+
+class _GatherRoutes(torch.autograd.Function):
+    """Forward: the sorted rows' tokens, `x[src]`, with the anchor rows set to zero. Backward: each token's gradient
+    is the sum of its K routes' rows, gathered by `route_rows` (no atomics: deterministic, summed in float32), so the
+    rows past the last offset, which the grouped GEMM's backward leaves undefined, are never read."""
+
+    @staticmethod
+    def forward(ctx, x, src, route_rows, anchor_rows, K):
+        ctx.save_for_backward(route_rows)
+        ctx.K = K
+        return x.index_select(0, src).index_fill_(0, anchor_rows, 0.0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (route_rows,) = ctx.saved_tensors
+        grad = grad.index_select(0, route_rows)
+        if ctx.K > 1:
+            grad = grad.view(-1, ctx.K, grad.shape[-1]).sum(dim=1)
+        return grad, None, None, None, None
 
 
 @computes_in_autocast_dtype

@@ -8,14 +8,15 @@ capacity, losses and statistics the same way for every gate, so a gate of your o
 
     @register_gate("my_gate")
     class MyGate(Gate):
-        def select(self, logits):   # logits [T, E] float32
+        def select(self, logits):   # logits [T, E]: softmax them with dtype=torch.float32
             ...                     # -> expert_ids [T, K], weights [T, K], probs [T, E]
 
 and, when the load-balancing loss should count routes other than "1/K for each route", `assignment`.
 
 Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
-`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, and per gate `router_random_routing` and
-`router_random_routing_takes_capacity` (gshard), `norm_topk_prob` and `topk_weighting` (topk).
+`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, `router_dtype` (optional), and per gate
+`router_random_routing` and `router_random_routing_takes_capacity` (gshard), `norm_topk_prob` and `topk_weighting`
+(topk).
 
 Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
 set (else the default generator), so tensor-parallel ranks that share a seed draw the same numbers.
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .losses import load_balancing_loss, router_z_loss
+from .losses import balance_loss, losses_wanted, route_counts, route_fractions, router_z_loss
 from .routing import Routing, capacity_for, group_size_for, positions_in_expert
 
 GATES: dict[str, type[Gate]] = {}
@@ -69,6 +70,7 @@ class Gate(nn.Module):
         self.eval_capacity_factor = config.eval_capacity_factor
         self.num_groups = config.router_num_groups
         self.jitter_noise = config.router_jitter_noise
+        self.float32_router = getattr(config, "router_dtype", None) == "float32"
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         nn.init.normal_(self.weight, std=getattr(config, "initializer_range", 0.02))
         self.generator: torch.Generator | None = None
@@ -85,24 +87,26 @@ class Gate(nn.Module):
         """Raise ValueError for settings this gate cannot work with (called when a model config is built)."""
 
     def select(self, logits: torch.Tensor):
-        """logits [T, E] float32 -> expert_ids [T, K] (sentinel E for a route not taken), weights [T, K],
-        probs [T, E] (for the load-balancing loss)."""
+        """logits [T, E] in the activations' dtype -> expert_ids [T, K] (sentinel E for a route not taken),
+        weights [T, K] and probs [T, E] (for the load-balancing loss), both float32: take the softmax with
+        `dtype=torch.float32`."""
         raise NotImplementedError
 
-    def assignment(self, expert_ids: torch.Tensor) -> torch.Tensor:
-        """expert_ids [T, K] as `select` chose them (before padding and capacity) -> [T, E], each token's share of
-        routes per expert, the c_e of the load-balancing loss: 1/K for each route (a sentinel route counts for
-        nothing). Only computed with the losses."""
-        return _one_hot(expert_ids, self.num_experts + 1, torch.float32, 1.0 / expert_ids.shape[1]).sum(1)[:, :-1]
+    def assignment(self, expert_ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """expert_ids [T, K] as `select` chose them (before padding and capacity) -> (the routes counted in the c_e
+        of the load-balancing loss [T, R], each one's share of its token): by default every route, 1/K each (a
+        sentinel route counts for nothing). Only computed with the losses."""
+        return expert_ids, 1.0 / expert_ids.shape[1]
 
     def capacity_claims(self, logits: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """[T, K] the expert slot each route claims in the capacity count (sentinel: none), before padding is
         removed: by default the routes `select` took."""
         return expert_ids
 
-    def load_balancing_loss(self, probs, assignment, token_mask, group_size):
-        """The aux loss (GShard's, `losses.load_balancing_loss`); a gate may average it over its own groups."""
-        return load_balancing_loss(probs, assignment, token_mask, group_size)
+    def load_balancing_loss(self, probs, fraction, token_mask, group_size):
+        """The aux loss (GShard's, `losses.balance_loss`) from probs [T, E] and the routed fraction [G, E] of each
+        group's tokens per expert; a gate may average it over its own groups of experts."""
+        return balance_loss(probs, fraction, token_mask, group_size)
 
     def z_loss(self, logits, token_mask):
         """The router z-loss (`losses.router_z_loss`) of logits [T, E]."""
@@ -112,16 +116,19 @@ class Gate(nn.Module):
         return torch.rand(shape, device=device, generator=self.generator)
 
     def forward(
-        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool = True
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool | None = None
     ) -> Routing:
-        """hidden_states [T, H], token_mask [T] (False for padding) -> Routing. With compute_losses=False the
-        losses and statistics are skipped (a few dozen small operations that dominate decoding time)."""
+        """hidden_states [T, H], token_mask [T] (False for padding) -> Routing. The losses and statistics are
+        computed when `compute_losses` says so, by default when gradients are on (`losses.losses_wanted`)."""
         T, E = hidden_states.shape[0], self.num_experts
         x = hidden_states
         if self.training and self.jitter_noise > 0:
             # multiplicative jitter (Switch Transformer) on a copy: the caller's tensor is never modified
             x = x * (1.0 - self.jitter_noise + 2.0 * self.jitter_noise * self._uniform(x.shape, x.device))
-        logits = F.linear(x.float(), self.weight.float())  # [T, E], routing in float32
+        # the router GEMM in the activations' dtype (as Transformers' MoE blocks) unless the config asks for float32;
+        # select() takes a float32 softmax either way
+        dtype = torch.float32 if self.float32_router else x.dtype
+        logits = F.linear(x.to(dtype), self.weight.to(dtype))  # [T, E]
         expert_ids, weights, probs = self.select(logits)
         selected = expert_ids
         if token_mask is not None:
@@ -142,26 +149,25 @@ class Gate(nn.Module):
             expert_ids = expert_ids.masked_fill(~keep, E)
             weights = weights.masked_fill(~keep, 0.0)
 
-        if not compute_losses:
+        if not losses_wanted(compute_losses):
             return Routing(expert_ids, weights, logits, E, group_size, capacity)
-        if token_mask is None:
-            token_mask = torch.ones(T, dtype=torch.bool, device=x.device)
-        aux_loss = self.load_balancing_loss(probs, self.assignment(selected), token_mask, group_size)
+        with torch.no_grad():  # routes each expert received (real tokens, after capacity): counted, not one-hot
+            received = route_counts(expert_ids.reshape(-1), E + 1, torch.float32)
+            if capacity is None and token_mask is None:
+                dropped_fraction = torch.zeros((), device=x.device)
+            else:
+                num_chosen = (chosen < E).sum()
+                dropped_fraction = (num_chosen - received[:E].sum()) / num_chosen.clamp(min=1)
+        routes, share = self.assignment(selected)
+        if routes is expert_ids and group_size >= T:  # every route counted, none dropped or padded, one group
+            fraction = (received[:E] * (share / T)).unsqueeze(0)
+        else:
+            fraction = route_fractions(routes, share, token_mask, E, group_size)
+        aux_loss = self.load_balancing_loss(probs, fraction, token_mask, group_size)
         z_loss = self.z_loss(logits, token_mask)
-        with torch.no_grad():
-            tokens_per_expert = _one_hot(expert_ids.flatten(), E + 1, torch.int64).sum(0)[:E]
-            num_chosen = (chosen < E).sum()
-            dropped_fraction = (num_chosen - tokens_per_expert.sum()).float() / num_chosen.clamp(min=1)
         return Routing(
-            expert_ids, weights, logits, E, group_size, capacity, aux_loss, z_loss, tokens_per_expert, dropped_fraction
+            expert_ids, weights, logits, E, group_size, capacity, aux_loss, z_loss, received[:E], dropped_fraction
         )
-
-
-def _one_hot(ids: torch.Tensor, num_classes: int, dtype, value: float = 1.0) -> torch.Tensor:
-    """[..., num_classes] with `value` at each id: one scatter (F.one_hot also validates the ids and casts, which is
-    most of a decoding step's gate time)."""
-    out = torch.zeros(*ids.shape, num_classes, dtype=dtype, device=ids.device)
-    return out.scatter_(-1, ids.unsqueeze(-1), value)
 
 
 @register_gate("switch")
@@ -177,7 +183,7 @@ class SwitchGate(Gate):
             )
 
     def select(self, logits):
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
         weight, expert = probs.max(dim=-1, keepdim=True)
         return expert, weight, probs
 
@@ -192,7 +198,7 @@ class TopKGate(Gate):
         self.weighting = getattr(config, "topk_weighting", "probs")
 
     def select(self, logits):
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
         weights, experts = probs.topk(self.top_k, dim=-1)
         if self.weighting == "m6t":  # M6-T Eq. (1): p = softmax(g), g = topk(softmax(W x))
             weights = weights.softmax(dim=-1)
@@ -225,7 +231,7 @@ class GShardGate(Gate):
             )
 
     def select(self, logits):
-        probs = logits.softmax(dim=-1)
+        probs = logits.softmax(dim=-1, dtype=torch.float32)
         gates, experts = probs.topk(2, dim=-1)
         gates = gates / gates.sum(dim=-1, keepdim=True)
         if self.training and self.random_routing:
@@ -240,12 +246,12 @@ class GShardGate(Gate):
         # Algorithm 1 line 24 read literally: c_e2 <- c + 1 comes after the `if`, so a second route that random routing
         # skipped still takes its slot in e2's buffer (the top-2 of the same softmax select() ranked)
         if self.training and self.random_routing and self.skipped_routes_take_capacity:
-            return logits.softmax(dim=-1).topk(2, dim=-1).indices
+            return logits.softmax(dim=-1, dtype=torch.float32).topk(2, dim=-1).indices
         return expert_ids
 
     def assignment(self, expert_ids):
         # first choices only, as the class docstring says
-        return _one_hot(expert_ids[:, 0], self.num_experts, torch.float32)
+        return expert_ids[:, :1], 1.0
 
 
 @register_gate("prototype")
@@ -270,20 +276,21 @@ class PrototypeGate(Gate):
 
     def select(self, logits):
         T, Z, Fp = logits.shape[0], self.num_prototypes, self.experts_per_prototype
-        probs = logits.view(T, Z, Fp).softmax(dim=-1)  # one softmax per prototype
+        probs = logits.view(T, Z, Fp).softmax(dim=-1, dtype=torch.float32)  # one softmax per prototype
         weights, local = probs.max(dim=-1)  # [T, Z]
         experts = local + torch.arange(Z, device=logits.device) * Fp
         return experts, weights, probs.view(T, Z * Fp)
 
     def assignment(self, expert_ids):
-        # one route per prototype: a one-hot over each prototype's F experts
-        return torch.zeros(expert_ids.shape[0], self.num_experts, device=expert_ids.device).scatter_(1, expert_ids, 1.0)
+        # one route per prototype, each a whole token's choice within its prototype's experts
+        return expert_ids, 1.0
 
-    def load_balancing_loss(self, probs, assignment, token_mask, group_size):
+    def load_balancing_loss(self, probs, fraction, token_mask, group_size):
+        # per prototype over its F experts (F^2 scaling), then averaged; fraction [G, Z*F] counts a token once per
+        # prototype, so each prototype's block sums to one
         T, Z, Fp = probs.shape[0], self.num_prototypes, self.experts_per_prototype
-        probs, assignment = probs.view(T, Z, Fp), assignment.view(T, Z, Fp)
-        losses = [load_balancing_loss(probs[:, z], assignment[:, z], token_mask, group_size) for z in range(Z)]
-        return torch.stack(losses).mean()
+        probs, fraction = probs.view(T, Z, Fp).transpose(0, 1), fraction.view(-1, Z, Fp).transpose(0, 1)
+        return torch.stack([balance_loss(probs[z], fraction[z], token_mask, group_size) for z in range(Z)]).mean()
 
     def z_loss(self, logits, token_mask):
         return router_z_loss(logits.view(logits.shape[0], self.num_prototypes, -1), token_mask)

@@ -5,7 +5,7 @@ Legend: T tokens, H hidden, I expert inner size, E experts, N rows (routes), sm 
 
 `CAPABILITIES` is read top to bottom; the first row that matches the device, compute capability, compute dtype,
 eager or compiled, gradients on or off and the number of tokens names the implementation. The dispatch
-(`Experts.implementation`), the GPU tests' expectations (tests/gpu) and the README's table all come from it:
+(`Experts.implementation`), the GPU tests' expectations (tests/gpu) and the table in docs/gpu.md all come from it:
 
 - `index_kernel`: PPMoE Algorithm 1 on `torch.nn.functional.grouped_mm` (device-side offsets: no host read).
 - `index_loop`:   the same algorithm on one opaque per-expert loop that reads the E offsets on the host.
@@ -92,6 +92,18 @@ def aligned(dtype: torch.dtype, *sizes: int) -> bool:
     return all(size * dtype.itemsize % 16 == 0 for size in sizes)
 
 
+# device types with an autocast state, asked once at import: `torch.amp.is_autocast_available` is a builtin that
+# torch 2.11's Dynamo cannot trace (a graph break in every MoE layer), while the two calls below it folds
+_AUTOCAST_DEVICES = tuple(d for d in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia") if torch.amp.is_autocast_available(d))
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """autocast's compute dtype where it is on for `device_type`, else None."""
+    if device_type in _AUTOCAST_DEVICES and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return None
+
+
 def device_capability(device: torch.device):
     """(major, minor) of a CUDA device, None elsewhere."""
     return _cuda_capability(device) if device.type == "cuda" else None
@@ -123,7 +135,7 @@ def warn_if_no_grouped_mm() -> None:
 
 
 def capability_table() -> str:
-    """`CAPABILITIES` as the markdown table the README quotes."""
+    """`CAPABILITIES` as the markdown table docs/gpu.md quotes."""
 
     def names(values, fmt=str):
         return "any" if values is None else ", ".join(fmt(v) for v in values)
@@ -148,36 +160,11 @@ def capability_table() -> str:
 
 def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, kernel: bool) -> torch.Tensor:
     """x [N, in], w [E, in, out] (any strides), offsets int32 [E] -> [N, out]. Rows past `offsets[-1]` are left
-    undefined (the caller masks them). `kernel`: torch's grouped_mm, else the per-expert loop."""
+    undefined (the caller never reads them). `kernel`: torch's grouped_mm with its own autograd (weight gradients in
+    the parameter's layout, nothing masked), else the per-expert loop."""
     if kernel:
-        return _GroupedMM.apply(x.contiguous() if x.stride(-1) != 1 else x, w, offsets)
-    return torch.ops.hf_ppmoe.grouped_mm_loop(x, w, offsets)
-
-
-class _GroupedMM(torch.autograd.Function):
-    """torch's grouped_mm with a backward that masks what the kernel must not decide: an expert without rows gets an
-    exact zero weight gradient and rows past the last offset an exact zero input gradient, whatever the kernel
-    writes there (empty groups and undefined tails have given non-zero and NaN gradients on some GPUs)."""
-
-    @staticmethod
-    def forward(ctx, x, w, offsets):
-        ctx.save_for_backward(x, w, offsets)
         return F.grouped_mm(x, w, offs=offsets)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, w, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
-        rows = torch.arange(x.shape[0], device=x.device).unsqueeze(-1)
-        grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
-            grad_x = F.grouped_mm(grad, w.transpose(-2, -1), offs=offsets)
-            grad_x = torch.where(rows < offsets[-1], grad_x, 0.0)
-        if ctx.needs_input_grad[1]:
-            grad_w = F.grouped_mm(x.t(), grad, offs=offsets)
-            counts = torch.diff(offsets, prepend=offsets.new_zeros(1))
-            grad_w = torch.where((counts > 0).view(-1, 1, 1), grad_w, 0.0)
-        return grad_x, grad_w, None
+    return torch.ops.hf_ppmoe.grouped_mm_loop(x, w, offsets)
 
 
 # The loop is a custom operator so that torch.compile sees one opaque node (no graph break) while it reads the
@@ -196,17 +183,17 @@ def _grouped_mm_loop(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) ->
     return y
 
 
+def _reads_the_host(offsets: torch.Tensor) -> None:
+    """The fake kernels below also serve the `meta` device (the tests' stand-in for a GPU): there a host read must
+    raise, as `.tolist()` would. Under torch.compile they see FakeTensors, whose device is the real one."""
+    if offsets.device.type == "meta":
+        raise RuntimeError("hf_ppmoe::grouped_mm_loop reads its offsets on the host, which meta tensors cannot give")
+
+
 @_grouped_mm_loop.register_fake
 def _(x, w, offsets):
+    _reads_the_host(offsets)
     return x.new_empty(x.shape[0], w.shape[2])
-
-
-def _reads_the_host(*args):
-    # on `meta` tensors (the stand-in for a device in tests) a host read raises, as `.tolist()` would
-    raise RuntimeError("hf_ppmoe::grouped_mm_loop reads its offsets on the host, which meta tensors cannot give")
-
-
-_grouped_mm_loop.register_kernel("meta", _reads_the_host)
 
 
 @torch.library.custom_op("hf_ppmoe::grouped_mm_loop_backward", mutates_args=())
@@ -225,10 +212,8 @@ def _grouped_mm_loop_backward(
 
 @_grouped_mm_loop_backward.register_fake
 def _(x, w, offsets, grad):
+    _reads_the_host(offsets)
     return torch.empty_like(x), torch.empty_like(w)
-
-
-_grouped_mm_loop_backward.register_kernel("meta", _reads_the_host)
 
 
 def _grouped_mm_loop_setup(ctx, inputs, output):

@@ -2,10 +2,9 @@
 
           hidden_states [B, S, H] ──flatten──> x [T, H]
                                                 │
-                          ┌──── gate(x, token_mask) ────> Routing: expert_ids [T, K], weights [T, K], losses
-                          │                     │
-                          └──> experts(x, expert_ids, weights) ──> sum_k w_k * expert_{id_k}(x)   [T, H]
-                                                │                          (+ shared_expert(x))
+        dispatcher:  route: gate(x, token_mask) ──> Routing: expert_ids [T, K], weights [T, K], losses
+                     dispatch ──> experts(x, expert_ids, weights)   (compute: sum_k w_k * expert_{id_k}(x))
+                     combine ──> [T, H]                                          (+ shared_expert(x))
                                  output [B, S, H], Routing
 
 A dropped route contributes nothing, so an overflowed token leaves the layer as zeros and passes through the
@@ -22,36 +21,52 @@ from .gates import get_gate_class
 from .routing import Routing
 
 
+class TokenDispatcher(nn.Module):
+    """How a layer's routed tokens reach its experts and come back, in the four steps a reader can follow:
+    route (the gate) -> dispatch (what the experts receive) -> compute (the experts) -> combine (their output back to
+    the layer's tokens). This one keeps every step on this device. A parallel layout puts its own in the layer's
+    `dispatcher` slot, where `print(model)` shows it (hf_ppmoe.parallel.expert_parallel: PPMoE's index-slice +
+    all-reduce over the tensor-parallel group, and the all-to-all across data-parallel ranks)."""
+
+    def forward(self, layer: MoELayer, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool | None):
+        routing = self.route(layer.gate, x, token_mask, compute_losses)
+        out = layer.experts(*self.dispatch(x, routing))  # compute
+        return self.combine(out, routing)
+
+    def route(self, gate, x, token_mask, compute_losses) -> Routing:
+        return gate(x, token_mask, compute_losses=compute_losses)
+
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The experts' contract: (hidden_states [T, H], expert_ids [T, K], weights [T, K] in the hidden dtype)."""
+        return x, routing.expert_ids, routing.weights.to(x.dtype)
+
+    def combine(self, out: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
+        return out, routing
+
+
 class MoELayer(nn.Module):
     """Gate + experts (+ shared expert) for one FFN slot (see the module docstring); the gate is the config's
-    `router_type`, the experts' dispatch its `dispatch`."""
+    `router_type`, the experts' dispatch its `dispatch`, the path between them the `dispatcher`'s."""
+
     def __init__(self, config):
         super().__init__()
         self.gate = get_gate_class(config.router_type)(config)
+        self.dispatcher = TokenDispatcher()
         self.experts = Experts(config)
         shared = getattr(config, "shared_expert_intermediate_size", 0)
         self.shared_expert = MLP(config, shared) if shared else None
 
     def forward(
-        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool = True
+        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool | None = None
     ) -> tuple[torch.Tensor, Routing]:
         """hidden_states [..., H], token_mask [...] (False for padding) -> (output [..., H], Routing).
 
-        compute_losses=False skips the router losses and statistics (see `Gate.forward`)."""
+        compute_losses: the router losses and statistics, by default with gradients (`losses.losses_wanted`)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if token_mask is not None:
             token_mask = token_mask.reshape(-1).bool()
-        out, routing = self.route(x, token_mask, compute_losses)
+        out, routing = self.dispatcher(self, x, token_mask, compute_losses)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(shape), routing
-
-    def route(
-        self, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool
-    ) -> tuple[torch.Tensor, Routing]:
-        """Gate + routed experts: x [T, H] -> (their output [T, H], Routing). Expert parallelism
-        (`hf_ppmoe.parallel.expert_parallel.PPMoELayer`) overrides this method, the part of the layer it splits over
-        ranks."""
-        routing = self.gate(x, token_mask, compute_losses=compute_losses)
-        return self.experts(x, routing.expert_ids, routing.weights.to(x.dtype)), routing

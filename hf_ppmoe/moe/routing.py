@@ -24,14 +24,14 @@ class Routing(NamedTuple):
 
     expert_ids: torch.Tensor  # [T, K] int64; `num_experts` marks a route that goes nowhere
     weights: torch.Tensor  # [T, K] combine weights; 0 where expert_ids is the sentinel
-    router_logits: torch.Tensor  # [T, E] float32, before softmax
+    router_logits: torch.Tensor  # [T, E] before softmax, in the activations' dtype (the softmax is float32)
     num_experts: int
     group_size: int  # S: tokens per group for capacity (the whole batch when there is one group)
     capacity: int | None = None  # C: per-group expert capacity; None means dropless
     # losses and statistics; None when the gate was asked not to compute them (inference without gradients)
     aux_loss: torch.Tensor | None = None  # scalar load-balancing loss (padding excluded)
     z_loss: torch.Tensor | None = None  # scalar router z-loss (padding excluded)
-    tokens_per_expert: torch.Tensor | None = None  # [E] routes each expert received, real tokens only
+    tokens_per_expert: torch.Tensor | None = None  # [E] float32: routes each expert received, real tokens only
     dropped_fraction: torch.Tensor | None = None  # scalar: routes chosen but dropped by capacity / routes chosen
 
     @property
@@ -57,18 +57,20 @@ def positions_in_expert(expert_ids: torch.Tensor, num_experts: int, group_size: 
 
     Priority follows GShard Algorithm 1: within a group, all first routes (k=0) in token order fill the buffers
     before any second route (k=1) does, and so on. Sentinel routes take no slot (their position is meaningless).
+    Counted by one stable sort of (group, expert) keys in that priority order: O(T*K) memory whatever E is (no
+    [T, K, E] one-hot), no host read.
 
     expert_ids: [T, K] -> positions [T, K] (int64)
     """
     T, K = expert_ids.shape
     S = group_size
     G = math.ceil(T / S)
-    one_hot = torch.nn.functional.one_hot(expert_ids, num_experts + 1)[..., :num_experts]  # [T, K, E]
-    if G * S != T:
-        one_hot = torch.nn.functional.pad(one_hot, (0, 0, 0, 0, 0, G * S - T))
-    # [G, S, K, E] -> [G, K, S, E] -> [G, K*S, E]: k-major order inside each group
-    one_hot_g = one_hot.view(G, S, K, num_experts).transpose(1, 2).reshape(G, K * S, num_experts)
-    positions = one_hot_g.cumsum(dim=1) - 1
-    positions = (positions * one_hot_g).sum(dim=-1)  # [G, K*S]
-    positions = positions.view(G, K, S).transpose(1, 2).reshape(G * S, K)
-    return positions[:T]
+    ids = expert_ids if G * S == T else torch.nn.functional.pad(expert_ids, (0, 0, 0, G * S - T), value=num_experts)
+    # [G*S, K] -> [G, K, S]: k-major order inside each group; key = group * (E + 1) + expert
+    group = torch.arange(G, device=ids.device).view(G, 1, 1) * (num_experts + 1)
+    keys = (ids.view(G, S, K).transpose(1, 2) + group).reshape(-1)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    # rank among the routes before it with the same key: its sorted index minus the first index of its key
+    rank = torch.arange(keys.numel(), device=ids.device) - torch.searchsorted(sorted_keys, sorted_keys)
+    positions = torch.empty_like(rank).scatter_(0, order, rank)
+    return positions.view(G, K, S).transpose(1, 2).reshape(G * S, K)[:T]

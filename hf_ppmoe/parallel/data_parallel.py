@@ -5,7 +5,8 @@ ranks (expert parallelism wider than the tensor-parallel group).
 parallelism: one FSDP group per decoder layer, the rest (embeddings, final norms, head) in the root group; HSDP on a
 (dp, fsdp) mesh with both > 1. With `parallelize(model, tp, ep=...)` (ep = k x tp) each MoE layer's experts are split
 over k tensor-parallel groups that read different batches and reached by Transformers' all-to-all
-(`AllToAllWithDrops`); FSDP shards each experts module over its copies (`ExpertMesh.replicas`).
+(expert_parallel.py: `AllToAllWithDrops`, `AllToAllDispatcher`); FSDP shards each experts module over its copies
+(`ExpertMesh.replicas`).
 
 docs/parallel.md says why FSDP2 rather than Transformers' or Accelerate's FSDP.
 """
@@ -18,55 +19,29 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from transformers.distributed.expert_parallel import AllToAllEP, EPImplementationInterface
 
 from .mesh import ExpertMesh
-from .modules import ExpertParallel, become
-
-ALL_TO_ALL = "all_to_all_with_drops"
-
-
-class AllToAllWithDrops(AllToAllEP):
-    """Transformers' all-to-all expert parallelism, for gates that drop routes too. A dropped route (sentinel id
-    `num_experts`, weight 0) would index past Transformers' per-expert counts; it is sent to this rank's own first
-    expert instead (no traffic, one wasted row per dropped route) and its weight 0 removes it from the output and
-    from every gradient."""
-
-    def __init__(self, experts, ep_mesh, tp_mesh):
-        super().__init__(experts, ep_mesh, tp_mesh)
-        n = self.num_local_experts
-        become(
-            experts, ExpertParallel, ALL_TO_ALL, ep_mesh,
-            first_expert=ep_mesh.get_local_rank() * n, num_global_experts=n * ep_mesh.size(),
-        )
-
-    def __call__(self, hidden_states, top_k_index, top_k_weights):
-        n = self.num_local_experts
-        own_first = self.ep_mesh.get_local_rank() * n
-        top_k_index = top_k_index.masked_fill(top_k_index >= n * self.ep_mesh.size(), own_first)
-        return super().__call__(hidden_states, top_k_index, top_k_weights)
-
-
-EPImplementationInterface.register(ALL_TO_ALL, AllToAllWithDrops)
-
+from .modules import ExpertParallel
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The mesh FSDP shards on: (dp, fsdp) (HSDP) when there are replicas, else (fsdp,)."""
     return mesh["dp", "fsdp"] if mesh["dp"].size() > 1 else mesh["fsdp"]
 
 
-def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh | None = None) -> nn.Module:
+def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh | None = None, *,
+                      reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2 on `module` (a model or a `Pipeline` stage) over the dp and fsdp dims of a `make_mesh` mesh, after any
     tensor / expert parallelism (see the module docstring); returns it. Build the optimizer afterwards: the
     parameters become sharded DTensors. `experts`: the `expert_mesh` the model's experts were split on with
-    `parallelize(..., ep=experts.ep)`."""
+    `parallelize(..., ep=experts.ep)`. `reshard_after_forward=False` keeps each layer's gathered parameters from its
+    forward to its backward (ZeRO-2, FSDP1's SHARD_GRAD_OP: more memory, one all-gather per layer fewer)."""
     shard_mesh = data_parallel_mesh(mesh)
     if experts is not None:
         data_parallel = mesh["dp"].size() * mesh["fsdp"].size()
         copies = experts.replicas["efsdp"].size()
         for m in module.modules():
             if isinstance(m, ExpertParallel):  # split by Transformers' grouped_gemm rule on experts.ep
-                fully_shard(m, mesh=experts.replicas)
+                fully_shard(m, mesh=experts.replicas, reshard_after_forward=reshard_after_forward)
                 m.set_gradient_divide_factor(float(data_parallel))
                 # FSDP applies a divide factor other than the group size with PREMUL_SUM, which gloo lacks (and NCCL
                 # zeroes in bf16, pytorch#190747): sum, then divide locally. Without a reduce-scatter (one copy) FSDP
@@ -76,8 +51,8 @@ def fully_shard_model(module: nn.Module, mesh: DeviceMesh, experts: ExpertMesh |
     for name, layers in module.named_modules():
         if isinstance(layers, nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers":
             for layer in layers:
-                fully_shard(layer, mesh=shard_mesh)
-    return fully_shard(module, mesh=shard_mesh)
+                fully_shard(layer, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
+    return fully_shard(module, mesh=shard_mesh, reshard_after_forward=reshard_after_forward)
 
 
 def set_gradient_sync(module: nn.Module, sync: bool) -> None:

@@ -1,13 +1,20 @@
-"""PPMoE expert parallelism (Pipeline-MoE, arXiv 2304.11414, Sec. 3.3, Algorithm 1) inside Transformers' plans.
+"""Expert parallelism inside Transformers' plans: the token dispatchers an MoE layer takes when its experts are
+spread over ranks, and the expert-parallel implementations its experts module runs.
 
-The experts of every MoE layer are split evenly over the tensor-parallel group (rank r holds experts
-[r*E/N, (r+1)*E/N)). Every rank holds the same hidden states and computes the same routing; each runs its own
-experts on the routes that reach them (the others get the sentinel id and are skipped), and one all-reduce sums the
-partial outputs: the communication of a tensor-parallel dense FFN, plus the router weight's gradient [E, H].
+PPMoE (Pipeline-MoE, arXiv 2304.11414, Sec. 3.3, Algorithm 1): the experts of every MoE layer are split evenly over
+the tensor-parallel group (rank r holds experts [r*E/N, (r+1)*E/N)). Every rank holds the same hidden states and
+computes the same routing; each runs its own experts on the routes that reach them (the others get the sentinel id
+and are skipped: the index slice), and one all-reduce sums the partial outputs: the communication of a
+tensor-parallel dense FFN, plus the router weight's gradient [E, H].
 
-- "ppmoe_ffn" (FFN slot): an MoE layer becomes a `PPMoELayer`; a dense FFN gets "replicated_input".
+- "ppmoe_ffn" (FFN slot): an MoE layer's dispatcher becomes a `PPMoEDispatcher`; a dense FFN gets
+  "replicated_input".
 - "ppmoe" (`EPImplementationInterface`, `DistributedConfig(ep_implementation="ppmoe")`) and "ppmoe_experts" (the
   tensor-parallel plan's rule): the experts module becomes an `ExpertParallel` one running `PPMoEExperts`.
+
+All-to-all (experts over more ranks than the tensor-parallel group, which read different batches): the experts
+module runs Transformers' `AllToAllEP` (`AllToAllWithDrops`) and the layer's dispatcher becomes an
+`AllToAllDispatcher`.
 
 docs/parallel.md walks through one layer on two ranks.
 """
@@ -16,31 +23,34 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+from transformers.distributed.expert_parallel import AllToAllEP, EPImplementation, EPImplementationInterface
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.tensor_parallel import TensorParallelLayer
 
 from ..moe.experts import Experts
-from ..moe.layer import MoELayer
+from ..moe.layer import MoELayer, TokenDispatcher
 from .comm import copy_to, reduce_from, scale_grad, sum_grad_over
-from .modules import ExpertParallel, TensorParallel, become
-from .tensor_parallel import ReplicatedInputParallel
+from .modules import ExpertParallel, ParallelModule, TensorParallel, become
 
 PPMOE = "ppmoe"
+ALL_TO_ALL = "all_to_all_with_drops"
 
 
-def local_expert_ids(expert_ids, first_expert: int, num_local_experts: int):
-    """Global expert ids to this rank's local ids; routes to other ranks' experts get the sentinel (skipped)."""
+def local_routes(expert_ids, weights, first_expert: int, num_local_experts: int):
+    """Global expert ids to this rank's local ids; a route to another rank's expert becomes one that goes nowhere
+    here, as the experts' contract writes it (routing.py): the sentinel id and weight 0."""
     local = expert_ids - first_expert
-    return local.masked_fill((local < 0) | (local >= num_local_experts), num_local_experts)
+    elsewhere = (local < 0) | (local >= num_local_experts)
+    return local.masked_fill(elsewhere, num_local_experts), weights.masked_fill(elsewhere, 0.0)
 
 
 class PPMoEExperts(EPImplementation):
-    """Runs this rank's experts on the routes that reach them. Our MoE layers (`PPMoELayer`) sum the ranks' outputs
-    and input gradients themselves, once for the router and the experts together. In any other MoE block (e.g.
-    Transformers' own Qwen3-MoE, whose router sits outside the experts) the experts do it: their inputs, the hidden
-    states and the routing weights, sum their gradients over the group and their output is summed, so the router
-    gets whole gradients on every rank (the communication of Transformers' "all_reduce" EP)."""
+    """Runs this rank's experts on the routes that reach them (the index slice: every other route goes nowhere
+    here). Our MoE layers (their `PPMoEDispatcher`) sum the ranks' outputs and input gradients themselves, once for
+    the router and the experts together. In any other MoE block (e.g. Transformers' own Qwen3-MoE, whose router sits
+    outside the experts) the experts do it: their inputs, the hidden states and the routing weights, sum their
+    gradients over the group and their output is summed, so the router gets whole gradients on every rank (the
+    communication of Transformers' "all_reduce" EP)."""
 
     needs_shared_batch = True
 
@@ -55,11 +65,11 @@ class PPMoEExperts(EPImplementation):
         )
 
     def __call__(self, hidden_states, top_k_index, top_k_weights):
-        local = local_expert_ids(top_k_index, self.first_expert, self.num_local_experts)
-        if self.layer_combines:
-            return self.experts_forward(hidden_states, local, top_k_weights)
-        hidden_states, top_k_weights = copy_to(hidden_states, self.group), copy_to(top_k_weights, self.group)
-        return reduce_from(self.experts_forward(hidden_states, local, top_k_weights), self.group)
+        if not self.layer_combines:  # entered before the routes elsewhere are zeroed: their gradients come from there
+            hidden_states, top_k_weights = copy_to(hidden_states, self.group), copy_to(top_k_weights, self.group)
+        local, top_k_weights = local_routes(top_k_index, top_k_weights, self.first_expert, self.num_local_experts)
+        out = self.experts_forward(hidden_states, local, top_k_weights)
+        return out if self.layer_combines else reduce_from(out, self.group)
 
 
 def share_router_generator(gate, group, device_type: str) -> int:
@@ -78,40 +88,77 @@ def share_router_generator(gate, group, device_type: str) -> int:
     return int(seed.item())
 
 
-class PPMoELayer(TensorParallel, MoELayer):
-    """An `MoELayer` on a tensor-parallel group (module docstring): the router replicated with one random generator
-    on every rank; when the experts are PPMoE-split (an `ExpertParallel` module with style "ppmoe"), the input
-    enters through `copy_to`, the experts' partial output leaves through `reduce_from`, the router weight's gradient
-    is summed over the group and the values every rank computes alike (router losses and logits) get 1/N of it."""
+class SharedRouter(TokenDispatcher):
+    """A dispatcher for a layer whose ranks route the same tokens: the router draws its random numbers (jitter,
+    GShard's random routing) from one generator seeded alike on every rank of the group."""
 
-    router_seed: int
+    router_seed: int | None = None
 
-    def route(self, x, token_mask, compute_losses):
-        gate, experts = self.gate, self.experts
-        if gate.generator is None:
+    def route(self, gate, x, token_mask, compute_losses):
+        if gate.generator is None and self.router_seed is not None:
             gate.generator = torch.Generator(x.device).manual_seed(self.router_seed)
+        return super().route(gate, x, token_mask, compute_losses)
+
+
+class PPMoEDispatcher(TensorParallel, SharedRouter):
+    """PPMoE's dispatcher over a tensor-parallel group (module docstring): the router replicated with one random
+    generator; when the experts are PPMoE-split (an `ExpertParallel` module with style "ppmoe"), the input enters
+    through `copy_to` (dispatch: every rank keeps every token, its experts take the routes that reach them), the
+    experts' partial output leaves through `reduce_from` (combine: one all-reduce), the router weight's gradient is
+    summed over the group and the values every rank computes alike (router losses and logits) get 1/N of it. Experts
+    reached otherwise (Transformers' all-to-all through its own entry point) get the tokens as they are."""
+
+    def forward(self, layer, x, token_mask, compute_losses):
+        experts = layer.experts
         if not (isinstance(experts, ExpertParallel) and experts.parallel_style == PPMOE):
-            return super().route(x, token_mask, compute_losses)  # whole experts here, or all-to-all
-        group = experts.mesh.get_group()
-        sum_grad_over(gate.weight, group)  # here, not at install: parameters may be replaced by loading
-        out, routing = super().route(copy_to(x, group), token_mask, compute_losses)
-        out = reduce_from(out, group)
+            return super().forward(layer, x, token_mask, compute_losses)
+        group = self.mesh.get_group()
+        sum_grad_over(layer.gate.weight, group)  # here, not at install: parameters may be replaced by loading
+        x = copy_to(x, group)  # every rank keeps every token; the input gradient is summed over the group
+        routing = self.route(layer.gate, x, token_mask, compute_losses)
+        out = experts(*self.dispatch(x, routing))  # this rank's experts, on the routes that reach them
         n = dist.get_world_size(group)
         scaled = {"router_logits": scale_grad(routing.router_logits, 1 / n)}
         if routing.aux_loss is not None:
             scaled.update(aux_loss=scale_grad(routing.aux_loss, 1 / n), z_loss=scale_grad(routing.z_loss, 1 / n))
-        return out, routing._replace(**scaled)
+        return reduce_from(out, group), routing._replace(**scaled)  # one all-reduce
 
 
-class PPMoEFFNParallel(ReplicatedInputParallel):
-    """Plan style "ppmoe_ffn" for the FFN slot: an MoE layer becomes a `PPMoELayer`; a dense FFN gets
-    "replicated_input", so its colwise projections share one input-gradient all-reduce."""
+class AllToAllDispatcher(ParallelModule, SharedRouter):
+    """The dispatcher of a layer whose experts are spread over more ranks than its tensor-parallel group (ranks that
+    read different batches): its experts module runs Transformers' all-to-all (`AllToAllWithDrops`), which sends
+    each route to the rank holding its expert and brings the outputs back, so the layer hands it the tokens and
+    routing as they are. With a tensor-parallel group the router's draws stay shared over it."""
 
-    def install_forward(self, module, mesh):
-        if not isinstance(module, MoELayer):  # a dense FFN
-            return super().install_forward(module, mesh)
-        seed = share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
-        return become(module, PPMoELayer, "ppmoe_ffn", mesh, router_seed=seed)
+
+class AllToAllWithDrops(AllToAllEP):
+    """Transformers' all-to-all expert parallelism, for gates that drop routes too. A dropped route (sentinel id
+    `num_experts`, weight 0) would index past Transformers' per-expert counts; it is sent to this rank's own first
+    expert instead (no traffic, one wasted row per dropped route) and its weight 0 removes it from the output and
+    from every gradient."""
+
+    def __init__(self, experts, ep_mesh, tp_mesh):
+        super().__init__(experts, ep_mesh, tp_mesh)
+        n = self.num_local_experts
+        become(
+            experts, ExpertParallel, ALL_TO_ALL, ep_mesh,
+            first_expert=ep_mesh.get_local_rank() * n, num_global_experts=n * ep_mesh.size(),
+        )
+
+    def __call__(self, hidden_states, top_k_index, top_k_weights):
+        n = self.num_local_experts
+        own_first = self.ep_mesh.get_local_rank() * n
+        top_k_index = top_k_index.masked_fill(top_k_index >= n * self.ep_mesh.size(), own_first)
+        return super().__call__(hidden_states, top_k_index, top_k_weights)
+
+
+def dispatch_all_to_all(model, ep_mesh) -> None:
+    """Give every MoE layer of `model` whose experts run `AllToAllWithDrops` an `AllToAllDispatcher` (keeping the
+    shared router seed of the PPMoE dispatcher a tensor-parallel plan gave it)."""
+    for layer in model.modules():
+        if isinstance(layer, MoELayer) and getattr(layer.experts, "parallel_style", None) == ALL_TO_ALL:
+            seed = getattr(layer.dispatcher, "router_seed", None)
+            layer.dispatcher = become(TokenDispatcher(), AllToAllDispatcher, ALL_TO_ALL, ep_mesh, router_seed=seed)
 
 
 class PPMoEExpertsParallel(TensorParallelLayer):
@@ -123,5 +170,5 @@ class PPMoEExpertsParallel(TensorParallelLayer):
 
 
 EPImplementationInterface.register(PPMOE, PPMoEExperts)
-ALL_PARALLEL_STYLES.register("ppmoe_ffn", PPMoEFFNParallel())
+EPImplementationInterface.register(ALL_TO_ALL, AllToAllWithDrops)
 ALL_PARALLEL_STYLES.register("ppmoe_experts", PPMoEExpertsParallel())

@@ -165,7 +165,7 @@ def transformer_config_kwargs(config, *, tp: int = 1, pp: int = 1) -> dict:
             moe_layer_freq=pattern,
             moe_router_pre_softmax=pre_softmax,
             moe_router_score_function="softmax",
-            moe_router_dtype="fp32",  # our gates route in float32
+            moe_router_dtype="fp32",  # our softmax is float32 (and with router_dtype="float32" the router GEMM too)
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=config.router_aux_loss_coef / num_moe,
             moe_z_loss_coeff=(config.router_z_loss_coef / num_moe) or None,

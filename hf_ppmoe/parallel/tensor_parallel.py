@@ -4,8 +4,9 @@ It applies the model's own Transformers plan (`config.base_model_tp_plan`), the 
 distributed_config=DistributedConfig(tp_size=N))` applies, on a group you choose (a sub-mesh of a (pp, tp) mesh, a
 pipeline stage, a model you changed): attention heads split (q/k/v colwise, o rowwise; T5's relative bias on the same
 heads), dense FFNs and shared experts colwise / rowwise, MoE layers PPMoE (expert_parallel.py), vocabulary split
-embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum" and
-"head_sharded_bias" are registered here; docs/parallel.md says what each saves.
+embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum",
+"head_sharded_bias" and "ppmoe_ffn" (an MoE layer's PPMoE dispatcher) are registered here; docs/parallel.md says
+what each saves.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
 from ..modeling.parallel_hooks import tied_head_kept
+from ..moe.layer import MoELayer, TokenDispatcher
 from ..utils.transformers_private import record_split, resolve_parallel_plans
 from .comm import sum_grad_over
-from .data_parallel import ALL_TO_ALL
-from .modules import show_plan
+from .expert_parallel import ALL_TO_ALL, PPMoEDispatcher, dispatch_all_to_all, share_router_generator
+from .modules import become, show_plan
 
 
 def _replicated(x, mesh):
@@ -43,6 +45,18 @@ class ReplicatedInputParallel(TensorParallelLayer):
         if kwargs.get("key_value_states") is not None:
             kwargs = {**kwargs, "key_value_states": _replicated(kwargs["key_value_states"], mesh)}
         return args, kwargs
+
+
+class PPMoEFFNParallel(ReplicatedInputParallel):
+    """Plan style "ppmoe_ffn" for the FFN slot: an MoE layer's dispatcher becomes a `PPMoEDispatcher`; a dense FFN
+    gets "replicated_input", so its colwise projections share one input-gradient all-reduce."""
+
+    def install_forward(self, module, mesh):
+        if not isinstance(module, MoELayer):  # a dense FFN
+            return super().install_forward(module, mesh)
+        seed = share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
+        module.dispatcher = become(TokenDispatcher(), PPMoEDispatcher, "ppmoe_ffn", mesh, router_seed=seed)
+        return module
 
 
 class ReplicatedGradSumParallel(TensorParallelLayer):
@@ -79,6 +93,7 @@ class HeadShardedBiasParallel(EmbeddingParallel):
 ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
 ALL_PARALLEL_STYLES.register("head_sharded_bias", HeadShardedBiasParallel())
 ALL_PARALLEL_STYLES.register("replicated_grad_sum", ReplicatedGradSumParallel())
+ALL_PARALLEL_STYLES.register("ppmoe_ffn", PPMoEFFNParallel())
 
 
 def _mesh(group_or_mesh, model) -> DeviceMesh:
@@ -145,6 +160,7 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
             show_plan(model, tp_plan, mesh)
         if ep_size != size:
             apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
+            dispatch_all_to_all(model, ep)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
     record_split(model, config, mesh, size)
     return model

@@ -4,11 +4,11 @@ import sys
 
 from ..utils.arguments import parse_arguments
 from .arguments import TrainArguments
-from .train import main
 
 
 def cli(argv: list[str] | None = None, prog: str = "python -m hf_ppmoe.training") -> int:
-    args = parse_arguments(TrainArguments, argv, prog=prog)
+    args = parse_arguments(TrainArguments, argv, prog=prog)  # --help and flag errors: before torch is imported
+    from .train import main
     try:
         main(args)
     except ValueError as error:  # bad arguments: one clear line, no traceback

@@ -7,34 +7,32 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .data import data_files
-
 
 @dataclass
 class TrainArguments:
     # ---- model: exactly one of model_name_or_path / config_name / upcycle_from (none: a small default GPT-MoE)
-    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a causal LM (GPT-MoE or dense) to continue training."})
-    config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch."})
-    upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle."})
+    model_name_or_path: str | None = field(default=None, metadata={"help": "Folder or Hub id of a causal LM (GPT-MoE or dense) to continue training.", "path": "model"})
+    config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch.", "path": "input_file"})
+    upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle.", "path": "model"})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer (upcycling / default model)."})
     num_experts_per_tok: int = field(default=2, metadata={"help": "Routes per token (upcycling / default model)."})
     router_type: str = field(default="topk", metadata={"help": "Gate for upcycling / the default model."})
     router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
     expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
-    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
+    tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's).", "path": "model"})
 
     # ---- data (blocks.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
-    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet."})
-    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train)."})
+    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet.", "path": "input_file"})
+    validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train).", "path": "input_file"})
     validation_split_percentage: int = field(default=5, metadata={"help": "Without --validation_file: the last N%% of the training blocks (with --streaming: the documents whose CRC-32 %% 100 < N) are held out."})
-    dataset_name: str | None = field(default=None, metadata={"help": "A folder written by Dataset.save_to_disk, or a `datasets` dataset name (the local cache; streamed from the Hub with --streaming)."})
+    dataset_name: str | None = field(default=None, metadata={"help": "A folder written by Dataset.save_to_disk, or a `datasets` dataset name (the local cache; streamed from the Hub with --streaming).", "path": "model"})
     dataset_config_name: str | None = field(default=None, metadata={"help": "Its configuration name."})
     dataset_split: str = field(default="train", metadata={"help": "Split to train on."})
     text_column: str = field(default="text", metadata={"help": "Field holding the text (jsonl / datasets)."})
     block_size: int = field(default=128, metadata={"help": "Tokens per packed training sequence."})
     streaming: bool = field(default=False, metadata={"help": "Pack the documents on the fly (corpora larger than RAM or disk) instead of preparing them into the cache; each data-parallel rank reads its own part, and the stream position is saved in every checkpoint."})
     shuffle_buffer_size: int = field(default=1000, metadata={"help": "--streaming: blocks drawn at random from a buffer of this many."})
-    data_cache_dir: str | None = field(default=None, metadata={"help": "Where prepared blocks are cached (default: HF_DATASETS_CACHE/hf_ppmoe_blocks)."})
+    data_cache_dir: str | None = field(default=None, metadata={"help": "Where prepared blocks are cached (default: HF_DATASETS_CACHE/hf_ppmoe_blocks).", "path": "output_folder"})
     # ---- seq2seq data (a Seq2Seq-MoE / encoder-decoder model; none given: the built-in standard-library task)
     source_column: str = field(default="source", metadata={"help": "Seq2seq: the column of the source texts (jsonl / csv / parquet / datasets)."})
     target_column: str = field(default="target", metadata={"help": "Seq2seq: the column of the target texts."})
@@ -46,7 +44,7 @@ class TrainArguments:
     generation_eval_pairs: int = field(default=64, metadata={"help": "Seq2seq: validation pairs generated for chrF / BLEU at the end (0: all)."})
 
     # ---- optimisation
-    output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model."})
+    output_dir: str = field(default="hf-ppmoe-run", metadata={"help": "Checkpoints, logs, plots and the final model.", "path": "output_folder"})
     max_steps: int = field(default=100, metadata={"help": "Optimizer steps."})
     per_device_train_batch_size: int = field(default=8, metadata={"help": "Sequences per process per micro-step."})
     gradient_accumulation_steps: int = field(default=1, metadata={"help": "Micro-steps per optimizer step (with --pp_size: the pipeline's microbatches)."})
@@ -66,7 +64,7 @@ class TrainArguments:
     eval_batches: int = field(default=8, metadata={"help": "Validation batches per evaluation (0: all)."})
     logging_steps: int = field(default=1, metadata={"help": "Log metrics every N steps."})
     checkpointing_steps: int = field(default=0, metadata={"help": "Save Accelerate state every N steps (0: never)."})
-    resume: str | None = field(default=None, metadata={"help": "'latest' (the newest checkpoint of the run that last trained in output_dir) or a checkpoint folder to continue from."})
+    resume: str | None = field(default=None, metadata={"help": "'latest' (the newest checkpoint of the run that last trained in output_dir) or a checkpoint folder to continue from.", "path": "input_folder", "path_words": ("latest",)})
     allow_resume_changes: list[str] | None = field(default=None, metadata={"help": "Resume although these settings differ from the checkpoint's (names as the refusal lists them, e.g. learning_rate max_steps config.router_type data); the changes are logged."})
     report_to: list[str] = field(default_factory=lambda: ["jsonl"], metadata={"help": "Trackers: jsonl plus any Accelerate tracker (tensorboard, wandb, ...)."})
     plots: bool = field(default=True, metadata={"help": "Write PNG plots of loss and expert load at the end."})
@@ -77,6 +75,7 @@ class TrainArguments:
     tp_size: int = field(default=1, metadata={"help": "Tensor-parallel size; experts spread over it (PPMoE); WORLD_SIZE / tp_size replicas."})
     pp_size: int = field(default=1, metadata={"help": "Pipeline stages (GPT-MoE): layers cut into pp_size stages, the micro-steps are the pipeline's microbatches; WORLD_SIZE / (pp_size * tp_size) replicas."})
     fsdp_size: int = field(default=1, metadata={"help": "Processes that shard parameters, gradients and AdamW state (FSDP2); the other WORLD_SIZE / (fsdp_size * pp_size * tp_size) data-parallel processes are replicas of them (HSDP)."})
+    fsdp_reshard_after_forward: bool = field(default=True, metadata={"help": "FSDP2: free each layer's gathered parameters after its forward (--no_fsdp_reshard_after_forward: keep them until its backward, as FSDP1's SHARD_GRAD_OP / ZeRO-2: more memory, fewer all-gathers)."})
     ep_size: int | None = field(default=None, metadata={"help": "Processes every MoE layer's experts are split over (default tp_size: PPMoE on the tensor-parallel group). A multiple k * tp_size, with k dividing fsdp_size, spreads them over k tensor-parallel groups that read different batches (Transformers' all-to-all)."})
 
     def __post_init__(self):
@@ -96,6 +95,8 @@ class TrainArguments:
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"--{name} {path} does not exist; pass a JSON file written by config.save_pretrained.")
+        from .data import data_files  # torch: not needed to parse or refuse flags
+
         for files in (self.train_file, self.validation_file):
             if files:
                 data_files(files)

@@ -35,9 +35,9 @@ CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
 
 # arguments that may differ on resume: where the model and data come from (what they are is compared through
-# model_config and data), evaluation, logging, checkpointing and output
+# model_config and data), evaluation, logging, checkpointing and output, and FSDP's memory-for-communication trade
 MAY_CHANGE_ON_RESUME = frozenset(
-    """model_name_or_path config_name upcycle_from num_experts num_experts_per_tok router_type router_init
+    """fsdp_reshard_after_forward model_name_or_path config_name upcycle_from num_experts num_experts_per_tok router_type router_init
     expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
     text_column data_cache_dir output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
     push_to_hub hub_model_id allow_resume_changes""".split()

@@ -1,4 +1,4 @@
-"""`hf-ppmoe demo`: the README's main job, end to end on the built-in corpus (no download).
+"""`hf-ppmoe demo`: the main job of the README, end to end on the built-in corpus (no download).
 
 1. split the Python language reference that ships with CPython into training topics and a named held-out set, and
    train a small dense GPT-2 on the training topics;
@@ -22,7 +22,6 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -33,55 +32,13 @@ from ..generation import flat_beam_search
 from ..modeling.loss import lm_loss_of
 from ..moe.layer import MoELayer
 from .arguments import TrainArguments
+from .demo_arguments import DemoArguments
 from .data import builtin_corpus, pack, train_tokenizer
 from .tracking import curve, plot_expert_share, plot_paired_runs, read_jsonl
 from .train import main as train
 
 PROMPT = "The while statement"
 HELD_OUT_EVERY = 10  # every 10th topic of the language reference (alphabetical order, from the first) is held out
-
-
-@dataclass
-class DemoArguments:
-    output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots and the report go."})
-    dense_steps: int = field(default=150, metadata={"help": "Steps of dense pre-training."})
-    finetune_steps: int = field(default=60, metadata={"help": "Steps of MoE (and dense) fine-tuning, per seed."})
-    seeds: int = field(default=3, metadata={"help": "Fine-tuning runs of each model (data orders seed+1, seed+2, ...)."})
-    batch_size: int = field(default=16, metadata={"help": "Sequences per step."})
-    block_size: int = field(default=128, metadata={"help": "Tokens per sequence."})
-    hidden_size: int = field(default=128, metadata={"help": "Model width."})
-    num_layers: int = field(default=4, metadata={"help": "Transformer layers."})
-    num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer."})
-    moe_layer_frequency: int = field(default=1, metadata={"help": "Every n-th FFN becomes an MoE layer (1: all; GShard and PPMoE use 2)."})
-    num_experts_per_tok: int = field(default=2, metadata={"help": "Experts each token is routed to (top-k)."})
-    num_beams: int = field(default=4, metadata={"help": "Beams for flat beam search."})
-    learning_rate: float = field(default=2e-3, metadata={"help": "Peak learning rate of every stage."})
-    seed: int = field(default=0, metadata={"help": "Random seed."})
-    evaluations: int = field(default=5, metadata={"help": "Held-out evaluations per training run (evenly spaced, the last at its end)."})
-    quick: bool = field(default=False, metadata={"help": "Tiny models and a few steps: every stage in seconds (a check, not a result)."})
-    seq2seq: bool = field(default=False, metadata={"help": "The seq2seq demo instead: MoE vs dense Seq2Seq models trained on "
-                                                   "the standard library's functions -> docstrings (steps: --finetune_steps)."})
-    eval_pairs: int = field(default=100, metadata={"help": "--seq2seq: held-out pairs generated for chrF / BLEU."})
-
-    def __post_init__(self):
-        """Refuse sizes that cannot work, naming the flag (before anything is trained)."""
-        for name in ("dense_steps", "finetune_steps", "seeds", "batch_size", "hidden_size", "num_layers", "num_experts",
-                     "num_experts_per_tok", "moe_layer_frequency", "num_beams", "evaluations", "eval_pairs"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
-        if self.block_size < 8:
-            raise ValueError(f"--block_size must be >= 8 (the prompt and the generated tokens fit in it), got {self.block_size}.")
-        if self.hidden_size % max(1, self.hidden_size // 32):
-            raise ValueError(f"--hidden_size {self.hidden_size}: the model has hidden_size // 32 heads of equal width; use a "
-                             "multiple of 32 (or a size below 64).")
-        if self.num_experts_per_tok > self.num_experts:
-            raise ValueError(f"--num_experts_per_tok {self.num_experts_per_tok} exceeds --num_experts {self.num_experts}.")
-        if self.moe_layer_frequency > self.num_layers:
-            raise ValueError(f"--moe_layer_frequency {self.moe_layer_frequency} exceeds --num_layers {self.num_layers}: no FFN "
-                             "would become an MoE layer.")
-        if not self.learning_rate > 0:
-            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
-
 
 QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2,
              num_experts=4, num_beams=2, evaluations=2, eval_pairs=4)
@@ -212,10 +169,11 @@ def run_demo(args: DemoArguments) -> Path:
 
     k = args.num_experts_per_tok
     layers = "every FFN" if args.moe_layer_frequency == 1 else f"one FFN in {args.moe_layer_frequency}"
-    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {layers}")
+    gate = f"gate `topk` (each token goes to the {k} experts its router scores highest, their weights renormalized)"
+    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {layers}; the router starts random")
     clock = time.perf_counter()
     dense = AutoModelForCausalLM.from_pretrained(root / "dense").eval()
-    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",
+    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",  # = `gate`
             router_init="random", moe_layer_frequency=args.moe_layer_frequency, seed=args.seed,
             save_directory=root / "moe-init", overwrite=True)
     moe = AutoModelForCausalLM.from_pretrained(root / "moe-init").eval()
@@ -323,8 +281,10 @@ training set; steps are {args.batch_size} sequences of {args.block_size} tokens.
 | upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {moe_row} |
 | dense GPT-2, FFN {wide} wide (the MoE's active parameters) | {_millions(wide_total)} | {_millions(wide_total)} |
 
-Upcycling copies the dense FFN into every expert: max |logit difference| between the fresh MoE and the dense model
-on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
+Upcycling copies the dense FFN into every expert and adds a router per MoE layer: {gate}. The router starts random
+(`router_init="random"`, seed {args.seed}) and learns which experts to use during fine-tuning; while the experts are
+identical copies whose weights sum to 1, the MoE computes the dense model's function whatever the router picks: max
+|logit difference| between the fresh MoE and the dense model on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
 
 ## Equal FLOPs per token: the MoE against a dense model of its active parameters
 

@@ -114,6 +114,10 @@ class PairData:
                 digest.update(chunk.offsets.to_numpy().tobytes() + chunk.flatten().to_numpy().tobytes())
         self.fingerprint = digest.hexdigest()
 
+    def __str__(self) -> str:
+        return (f"{len(self.train)} training pairs (source + target: {self.tokens_per_row:.0f} tokens on average), "
+                f"{len(self.validation)} held out")
+
     def _rows(self, step: int, micro: int, rank: int) -> torch.Tensor:
         a = self.args
         return batch_rows(step, micro, rank, self.world, a.per_device_train_batch_size, a.gradient_accumulation_steps,

@@ -91,7 +91,7 @@ def split_model(model, args, dp: DataParallel, monitor=None):
     if args.tp_size > 1 or dp.experts is not None:
         parallelize(stage_model, dp.mesh["tp"], ep=dp.experts.ep if dp.experts else None)
     if dp.size > 1:
-        fully_shard_model(model, dp.mesh, dp.experts)
+        fully_shard_model(model, dp.mesh, dp.experts, reshard_after_forward=args.fsdp_reshard_after_forward)
     return model, pipe
 
 

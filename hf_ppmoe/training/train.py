@@ -130,33 +130,70 @@ def build_model(args: TrainArguments, tokenizer):
     return model
 
 
+# Accelerate's FSDP options (`accelerate launch --fsdp_*`, as the variables it sets) that we cannot honour: refused
+# when given a value other than the one that matches what we do. Each: variable -> (accepted values, why, what to do).
+_OFF = ("", "false", "0", "no", "off")
+_FSDP_REFUSED = {
+    "FSDP_OFFLOAD_PARAMS": (_OFF, "CPU offload of parameters (FSDP2's CPUOffloadPolicy) is not wired into "
+                            "hf_ppmoe.training", "shard over more processes (--fsdp_size) instead"),
+    "FSDP_ACTIVATION_CHECKPOINTING": (_OFF, "activation checkpointing is not available in hf_ppmoe.training",
+                                      "use more processes or a smaller --per_device_train_batch_size"),
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (_OFF, "activation offload is not available in hf_ppmoe.training",
+                                              "drop it"),
+    "FSDP_FORWARD_PREFETCH": (_OFF, "explicit forward prefetching is not set by hf_ppmoe.training (FSDP2 "
+                              "prefetches the next layer's all-gather itself)", "drop it"),
+    "FSDP_BACKWARD_PREFETCH": (("", "backward_pre"), "FSDP2 always prefetches before the backward (BACKWARD_PRE)",
+                               "use BACKWARD_PRE or drop it"),
+    "FSDP_AUTO_WRAP_POLICY": (("", "transformer_based_wrap"), "hf_ppmoe.training shards each decoder layer (and the "
+                              "experts) as one FSDP2 unit, Accelerate's TRANSFORMER_BASED_WRAP", "use "
+                              "TRANSFORMER_BASED_WRAP or drop it"),
+    "FSDP_IGNORED_MODULES": (("",), "every module is sharded by hf_ppmoe.training", "drop it"),
+}
+
+
 def accelerate_fsdp_request(args: TrainArguments, world_size: int) -> str | None:
     """Map Accelerate's FSDP request (`accelerate launch --use_fsdp`, ACCELERATE_USE_FSDP=true) onto our sharding
-    (`--fsdp_size`), or refuse what cannot be mapped; returns the line that says what was done. The variable is then
-    cleared: Accelerate's own FSDP wrapper never sees our model (parallel_setup shards it with FSDP2)."""
+    (`--fsdp_size`, `--fsdp_reshard_after_forward`), or refuse what cannot be mapped (ValueError: one line naming
+    the option and what to do); returns the line that says what was done. The variable is then cleared: Accelerate's
+    own FSDP wrapper never sees our model (parallel_setup shards it with FSDP2). Options about FSDP1 or about loading
+    (use_orig_params, sync_module_states, cpu_ram_efficient_loading, min_num_params, state_dict_type) do not apply:
+    FSDP2 keeps the original parameters, and every process builds the same model (same seed or checkpoint)."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return None
+    for name, (accepted, why, fix) in _FSDP_REFUSED.items():
+        value = os.environ.get(name, "").strip()
+        if value.lower() not in accepted:
+            flag = "--" + name.lower()
+            raise ValueError(f"accelerate launch {flag} {value}: {why}; {fix}.")
     os.environ.pop("ACCELERATE_USE_FSDP")
     strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
-    strategy = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD"}.get(strategy, strategy)
+    strategy = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                "5": "HYBRID_SHARD_ZERO2"}.get(strategy, strategy)
+    # FSDP2's form of the same request: --fsdp_reshard_after_forward false (or a strategy name)
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").upper()
+    if reshard in ("FALSE", "0", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") or strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2"):
+        args.fsdp_reshard_after_forward = False
+    elif reshard not in ("TRUE", "1", "FULL_SHARD", "HYBRID_SHARD", "NO_SHARD"):
+        raise ValueError(f"accelerate launch --fsdp_reshard_after_forward {reshard.lower()}: use true or false.")
+    kept = "" if args.fsdp_reshard_after_forward else (
+        ", each layer's gathered parameters kept from its forward to its backward (reshard_after_forward=False)")
     split = args.tp_size * args.pp_size
     if args.fsdp_size > 1:
-        return f"Accelerate's FSDP request ({strategy}) is served by --fsdp_size {args.fsdp_size} (FSDP2)."
+        return f"Accelerate's FSDP request ({strategy}) is served by --fsdp_size {args.fsdp_size} (FSDP2){kept}."
     if strategy == "NO_SHARD":
         return "Accelerate's FSDP request with NO_SHARD: plain data parallelism (nothing is sharded)."
-    if strategy == "FULL_SHARD":
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         size = world_size // split
-    elif strategy == "HYBRID_SHARD":
+    elif strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
         size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // split
     else:
         raise ValueError(
-            f"Accelerate's FSDP sharding strategy {strategy} is not supported by python -m hf_ppmoe.training, which "
-            "shards with FSDP2 (parameters resharded after forward). Use FULL_SHARD or HYBRID_SHARD, or pass "
-            "--fsdp_size N yourself (N processes shard the model; the others hold replicas of it)."
+            f"Accelerate's FSDP sharding strategy {strategy} is not known to python -m hf_ppmoe.training: use "
+            "FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2 or NO_SHARD, or pass --fsdp_size N yourself."
         )
     args.fsdp_size = max(size, 1)
     return (f"Accelerate's FSDP request ({strategy}) mapped onto --fsdp_size {args.fsdp_size}: parameters, gradients "
-            "and AdamW state sharded with FSDP2 over that many processes.")
+            f"and AdamW state sharded with FSDP2 over that many processes{kept}.")
 
 
 @dataclass

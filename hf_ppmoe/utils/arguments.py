@@ -7,15 +7,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 from typing import TypeVar
 
 from transformers import HfArgumentParser
+
+from .paths import paths_problem
 
 T = TypeVar("T")
 
 
 def _options(arguments: type, skip: tuple[str, ...]) -> type:
-    """`arguments` without the fields in `skip` (those become positional arguments)."""
+    """`arguments` without the fields in `skip` (those become positional arguments), and without the metadata that
+    is ours rather than argparse's (`path`, `path_words`: see utils.paths)."""
     kept = []
     for f in dataclasses.fields(arguments):
         if f.name in skip:
@@ -23,7 +27,8 @@ def _options(arguments: type, skip: tuple[str, ...]) -> type:
         default = {"default": f.default} if f.default is not dataclasses.MISSING else {}
         if f.default_factory is not dataclasses.MISSING:
             default = {"default_factory": f.default_factory}
-        kept.append((f.name, f.type, dataclasses.field(metadata=f.metadata, **default)))
+        metadata = {k: v for k, v in f.metadata.items() if k not in ("path", "path_words")}
+        kept.append((f.name, f.type, dataclasses.field(metadata=metadata, **default)))
     options = dataclasses.make_dataclass(arguments.__name__, kept)
     options.__module__ = arguments.__module__  # its string annotations resolve in the original's module
     return options
@@ -32,7 +37,7 @@ def _options(arguments: type, skip: tuple[str, ...]) -> type:
 def build_parser(arguments: type, *, prog: str, description: str | None = None, positionals: dict[str, str] = {}):
     """An HfArgumentParser for `arguments`; `positionals` maps field names to the metavars they take, in order."""
     usage = " ".join([prog, *positionals.values(), "[options]"])  # short: errors print it above their line
-    parser = HfArgumentParser(_options(arguments, tuple(positionals)) if positionals else arguments, prog=prog,
+    parser = HfArgumentParser(_options(arguments, tuple(positionals)), prog=prog,
                               usage=usage, description=description)
     helps = {f.name: f.metadata.get("help") for f in dataclasses.fields(arguments)}
     for name, metavar in positionals.items():
@@ -47,13 +52,19 @@ def build_parser(arguments: type, *, prog: str, description: str | None = None, 
 def parse_arguments(arguments: type[T], argv: list[str] | None, *, prog: str, description: str | None = None,
                     positionals: dict[str, str] = {}) -> T:
     """argv -> an `arguments` instance. Unknown flags, missing positionals and values the dataclass refuses (a
-    ValueError or TypeError from its constructor) end as `prog: error: ...` with exit code 2."""
+    ValueError or TypeError from its constructor) end as `prog: error: ...` with exit code 2; so does a path field
+    (metadata "path", see `utils.paths`) that is missing, of the wrong kind or not writable: one line."""
     parser = build_parser(arguments, prog=prog, description=description, positionals=positionals)
     namespace, rest = parser.parse_known_args(argv)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     names = {f.name for f in dataclasses.fields(arguments) if f.init}
     try:
-        return arguments(**{name: value for name, value in vars(namespace).items() if name in names})
+        parsed = arguments(**{name: value for name, value in vars(namespace).items() if name in names})
     except (TypeError, ValueError) as error:
         parser.error(str(error))
+    problem = paths_problem(dataclasses.fields(arguments), vars(parsed), positionals)
+    if problem:
+        print(f"{prog}: error: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+    return parsed

@@ -14,9 +14,11 @@ moves into place, the old one is deleted; a kill between the two renames leaves 
 Leftovers of writers that were killed repair themselves: every atomic write, and `recover`, looks at the temporary
 folders in its target's parent, and for each whose writer is gone deletes it, or moves an aside folder whose target
 is missing back into place. A writer holds an exclusive `flock` on its temporary folders while it lives (the kernel
-drops it when the process dies, however it dies), and a temporary folder counts as abandoned only when that lock is
-free and, on this host, the process named in it is gone: it no longer exists, is a zombie (killed and not yet reaped
-by its parent), or started after the folder was last changed (its number was reused by a later process).
+drops it when the process dies, however it dies), and a temporary folder counts as abandoned when, on this host, the
+process named in it is gone: it no longer exists, is a zombie (killed and not yet reaped by its parent), or started
+after the folder was last changed (its number was reused by a later process); the lock may then still be held by a
+process the writer forked (which inherits it), and is ignored. A folder of another host counts as abandoned only when
+its lock is free. An abandoned folder that cannot be deleted is named in a warning.
 
 A write that fails for lack of space raises `OutOfSpaceError` (an OSError with errno ENOSPC, EDQUOT or EFBIG), also
 when the writer reported it without an errno (torch.save: "enforce fail at inline_container.cc ... unexpected pos"):
@@ -34,6 +36,7 @@ import re
 import secrets
 import shutil
 import socket
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -104,7 +107,15 @@ def _claim_abandoned(path: Path, match: re.Match) -> _Lock | None:
     """The lock of a temporary folder whose writer is gone, or None while it may still be at work."""
     try:
         lock = _Lock(path)
-    except (BlockingIOError, FileNotFoundError, NotADirectoryError, PermissionError):  # held, gone, or not ours
+    except BlockingIOError:
+        # held: by its writer, or by a process that inherited the lock from a writer since killed (a child it forked,
+        # e.g. a data loader worker): the process named in the folder decides
+        if match["host"] != _HOST or _writer_alive(int(match["pid"]), path.stat().st_mtime):
+            return None
+        lock = _Lock.__new__(_Lock)
+        lock.fd = None
+        return lock
+    except (FileNotFoundError, NotADirectoryError, PermissionError):  # gone, or not ours
         return None
     # the lock is free, but a writer takes it a moment after creating the folder, and some filesystems have no flock
     if match["host"] == _HOST and _writer_alive(int(match["pid"]), path.stat().st_mtime):
@@ -117,7 +128,8 @@ def _claim_abandoned(path: Path, match: re.Match) -> _Lock | None:
 
 def recover(parent: str | os.PathLike) -> list[str]:
     """Repair what killed atomic writes left in `parent`: delete abandoned temporary folders, and move an abandoned
-    aside folder back into place where its target is missing. Returns what was done, one line per folder."""
+    aside folder back into place where its target is missing. Returns what was done, one line per folder; an
+    abandoned folder that cannot be deleted is named in a warning."""
     parent, done = Path(parent), []
     if not parent.is_dir():
         return done
@@ -135,8 +147,13 @@ def recover(parent: str | os.PathLike) -> list[str]:
                 _fsync_directory(parent)
                 done.append(f"restored {target} from {entry.name}")
             else:
-                shutil.rmtree(entry, ignore_errors=True)
-                done.append(f"deleted {entry.name}")
+                try:
+                    shutil.rmtree(entry)
+                except OSError as error:
+                    warnings.warn(f"{entry} is left over from a write whose process ({match['pid']}) is gone, and "
+                                  f"could not be deleted ({error}); delete it by hand.", stacklevel=2)
+                else:
+                    done.append(f"deleted {entry.name}")
         finally:
             lock.close()
     return done

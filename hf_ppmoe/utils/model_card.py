@@ -80,10 +80,11 @@ def _loading(config, repo: str) -> str:
             f'model = {auto}.from_pretrained("{repo}")\ntokenizer = AutoTokenizer.from_pretrained("{repo}")\n```\n'
         )
     return (
-        "With hf_ppmoe installed (`pip install hf-ppmoe`), which registers the classes with the Auto classes:\n\n"
+        "With hf_ppmoe installed, which registers the classes with the Auto classes (it is not on PyPI yet: clone its "
+        "repository and run `pip install -e .` in the clone):\n\n"
         f'```python\nimport hf_ppmoe\n{head}\nmodel = {auto}.from_pretrained("{repo}")\n'
         f'tokenizer = AutoTokenizer.from_pretrained("{repo}")\n```\n\n'
-        "Without it: the folder carries the model's code, which Transformers runs when asked to:\n\n"
+        "Without it, nothing to install: the folder carries the model's code, which Transformers runs when asked to:\n\n"
         f'```python\n{head}\nmodel = {auto}.from_pretrained("{repo}", trust_remote_code=True)\n```\n\n'
         "GShard's flat beam search: `model.generate(**inputs, num_beams=4, custom_generate=hf_ppmoe.generation."
         f'flat_beam_search)`, or without hf_ppmoe `custom_generate="{repo}", trust_remote_code=True` (the folder '

@@ -68,3 +68,66 @@ def test_layer_section_skips_a_case_that_cannot_fit_and_measures_the_rest(gpu):
         ours, grouped, batched = row[4:]
         assert ours.endswith("x") and grouped.endswith("x"), row
         assert batched.startswith("skipped: needs"), row
+
+
+def test_plan_sizes_transformers_qwen3_moe_beside_ours_in_training_and_decoding(gpu):
+    rows = {line.split(" | ")[1] for line in gpu.main(["--plan"]) if line.startswith("| ")}
+    assert {"Qwen3-MoE E=8 k=2 B=8 S=2048", "Qwen3-MoE grouped_mm batch 1", "Qwen3-MoE grouped_mm batch 32"} <= rows
+
+
+def _full_args(gpu):
+    import argparse
+
+    return argparse.Namespace(model_hidden=2048, model_inner=1408, model_layers=8)
+
+
+def test_qwen3_moe_has_the_shape_of_our_moe_model(gpu):
+    """Same hidden size, layers, heads, experts, routes and expert size, so tokens/s compare like for like."""
+    models = gpu.training_models(_full_args(gpu))
+    ours, _ = models["GPT-MoE E=8 k=2"]
+    qwen, _ = models["Qwen3-MoE E=8 k=2"]
+    for a, b in (("hidden_size", "hidden_size"), ("num_hidden_layers", "num_hidden_layers"),
+                 ("num_attention_heads", "num_attention_heads"), ("num_key_value_heads", "num_key_value_heads"),
+                 ("num_experts", "num_experts"), ("num_experts_per_tok", "num_experts_per_tok"),
+                 ("intermediate_size", "moe_intermediate_size"), ("vocab_size", "vocab_size")):
+        assert getattr(ours, a) == getattr(qwen, b), a
+    assert qwen._experts_implementation == "grouped_mm" and qwen.mlp_only_layers == []
+    assert gpu.parameters(ours, False)[1] == gpu.parameters(qwen, False)[1]  # equal active parameters
+
+
+def test_graph_count_sees_a_graph_break_and_is_fresh_per_variant(gpu):
+    import torch
+
+    def breaks(x):
+        x = x + 1
+        torch._dynamo.graph_break()
+        return x * 2
+
+    gpu.fresh_dynamo()
+    torch.compile(breaks)(torch.ones(3))
+    graphs, n = gpu.dynamo_graphs()
+    assert graphs == 2 and n == 1
+    assert "2 graphs, 1 graph breaks" in gpu.graph_problem("training toy", graphs, n, True)
+    gpu.fresh_dynamo()  # the next variant starts from nothing
+    torch.compile(lambda x: x * 3)(torch.ones(3))
+    assert gpu.dynamo_graphs() == (1, 0)
+    assert gpu.graph_problem("training toy", 1, 0, True) == ""
+    assert gpu.graph_problem("decode Qwen3-MoE grouped_mm batch 1", 9, 8, True) == ""  # the reference: reported only
+    assert gpu.graph_problem("decode GPT-MoE batch 1", 9, 0, True) != ""  # a recompile of ours fails the run
+
+
+def test_training_section_times_each_model_alone_against_dense_and_qwen3(gpu):
+    """The real section on CPU at toy sizes, eager (no compile): one row per model, ratios to both references."""
+    import argparse
+
+    import torch
+
+    args = argparse.Namespace(batch=1, seq=16, model_hidden=64, model_inner=32, model_layers=1, compile=False,
+                              rounds=1, memory=None)
+    problems = []
+    lines = gpu.training_section(args, torch.device("cpu"), torch.float32, gpu.Timer(torch.device("cpu")), problems)
+    rows = {r[0]: r[1:] for r in (line.strip("| ").split(" | ") for line in lines[4:])}
+    assert set(rows) == {"dense backbone", "GPT-MoE E=8 k=2", "Qwen3-MoE E=8 k=2"}
+    assert rows["dense backbone"][2] == "1.00x" and rows["Qwen3-MoE E=8 k=2"][3] == "1.00x"
+    assert all(r[2].endswith("x") and r[3].endswith("x") and r[5] == "0 / 0" for r in rows.values()), rows
+    assert problems == ["", "", ""]

@@ -95,13 +95,15 @@ def test_one_command_for_everything(tmp_path, capsys):
     assert main(["--help"]) == 0
     listing = capsys.readouterr().out  # asked-for help goes to stdout
     assert all(f"  {name} " in listing for name in ("demo", "train", "upcycle", "merge", "import", "megatron"))
-    assert main(["train", "--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)]) == 2
-    assert "error: Data file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:  # a path refused by utils.paths: argparse's exit, before any work
+        main(["train", "--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)])
+    assert exit.value.code == 2
+    assert "error: --train_file" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit:  # argparse's own exit, as for its usage errors
         main(["megatron", "to-hf", str(tmp_path / "none"), str(tmp_path / "out"), "--config", str(tmp_path / "none")])
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith("hf-ppmoe megatron: error:") and "Traceback" not in err
+    assert err.startswith("hf-ppmoe megatron to-hf: error:") and "Traceback" not in err
 
 
 @pytest.mark.parametrize("command", ["demo", "train", "upcycle", "merge", "import", "export"])
@@ -136,6 +138,8 @@ def test_refusals_exit_2_and_missing_positionals_are_argparse_errors(tmp_path, c
     with pytest.raises(SystemExit) as exit:
         main(["upcycle", str(tmp_path)])
     assert exit.value.code == 2 and "the following arguments are required: OUT" in capsys.readouterr().err
-    assert main(["merge", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    with pytest.raises(SystemExit) as exit:  # a missing SRC: utils.paths, argparse's exit
+        main(["merge", str(tmp_path / "missing"), str(tmp_path / "out")])
+    assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-ppmoe merge: error:") and "Traceback" not in err and not (tmp_path / "out").exists()

@@ -87,3 +87,95 @@ def test_static_cache_decode_step_compiles_in_one_graph_and_equals_eager(family)
     out = model.generate(**inputs, max_new_tokens=5, do_sample=False, cache_implementation="static", compile_config=config)
     assert compiled_calls, "generate did not take its compiled decoding path"
     assert torch.equal(out, reference)
+
+
+class GraphRecorder:
+    """A torch.compile backend that keeps every graph it is given (one call = one compilation) and runs it eagerly."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def sdpa_calls(self):
+        """(attn_mask, is_causal) of every scaled_dot_product_attention in the recorded graphs."""
+        sdpa = torch._C._nn.scaled_dot_product_attention
+        return [(n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None), n.kwargs.get("is_causal"))
+                for g in self.graphs for n in g.graph.nodes if n.target is sdpa]
+
+
+@pytest.fixture
+def untraceable_autocast_query(monkeypatch):
+    """torch 2.11's Dynamo cannot trace `torch.amp.is_autocast_available` (a builtin that 2.13 traces): a call to it
+    from the traced path broke the graph in every MoE layer on the GPU. Here such a call fails under any torch."""
+    real = torch.amp.is_autocast_available
+
+    def refuse(device_type):
+        if torch.compiler.is_compiling():
+            raise RuntimeError("torch.amp.is_autocast_available called while tracing (a graph break on torch 2.11)")
+        return real(device_type)
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", refuse)
+
+
+@pytest.mark.parametrize("family", ["gpt", "gpt2-style", "seq2seq"])
+def test_whole_training_step_is_one_graph_without_padding(family, untraceable_autocast_query):
+    """fullgraph=True over forward and backward (aot_eager traces the backward too) of a batch without a padding mask:
+    one forward graph, no query that an older Dynamo cannot trace, the same loss and gradients as eager, and the
+    decoder's self-attention on the causal kernel (no mask tensor, is_causal=True) rather than a materialised mask."""
+    torch.manual_seed(0)
+    model = FAMILIES[family](**GATES["topk"]).train()
+    ids = torch.randint(3, 97, (2, 8))
+
+    def step(fn):
+        model.zero_grad()
+        out = fn(input_ids=ids, labels=ids)
+        out.loss.backward()
+        return out.loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    loss, grads = step(model)
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    c_loss, c_grads = step(torch.compile(model, backend="aot_eager", fullgraph=True))
+    assert counts["stats"]["unique_graphs"] == 1, dict(counts["stats"])
+    torch.testing.assert_close(c_loss, loss)
+    for g, ref in zip(c_grads, grads):
+        torch.testing.assert_close(g, ref, atol=1e-6, rtol=1e-5)
+    if family == "gpt":  # rotary GPT: nothing but causality in the self-attention's mask
+        torch._dynamo.reset()
+        dynamo_graphs = GraphRecorder()
+        torch.compile(model, backend=dynamo_graphs, fullgraph=True)(input_ids=ids, labels=ids)
+        calls = dynamo_graphs.sdpa_calls()
+        assert calls and all(mask is None and causal for mask, causal in calls), calls
+
+
+@pytest.mark.parametrize("families", [("gpt", "seq2seq"), ("gpt", "gpt")], ids=["gpt-then-seq2seq", "two-gpt"])
+def test_static_cache_decoding_compiles_once_per_model_and_never_again(families, untraceable_autocast_query):
+    """Transformers' compiled decode step (static cache, fullgraph=True) over 16 new tokens compiles one graph per
+    architecture: no recompile from one step to the next, from one layer's cache to the next, or when a second model
+    decodes in the same process and the first one decodes again."""
+    config = CompileConfig(fullgraph=True, backend="eager", dynamic=False)
+    config._compile_all_devices = True  # Transformers compiles the decode step on accelerators only by default
+    torch._dynamo.reset()
+    counts = torch._dynamo.utils.counters
+    counts.clear()
+    models = []
+    for seed, family in enumerate(families):
+        torch.manual_seed(seed)
+        make_config = tiny_gpt_config if family == "gpt" else tiny_seq2seq_config
+        model_class = GPTMoEForCausalLM if family == "gpt" else Seq2SeqMoEForConditionalGeneration
+        models.append(model_class(make_config(num_hidden_layers=2, **GATES["topk"])).eval())
+    ids = torch.randint(3, 97, (2, 6))
+
+    def decode(model):
+        before = counts["stats"]["unique_graphs"]
+        model.generate(input_ids=ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                       cache_implementation="static", compile_config=config)
+        return counts["stats"]["unique_graphs"] - before
+
+    # a second model of the same architecture reuses the first one's graph (its weights are graph inputs)
+    assert [decode(m) for m in models] == [1, int(families[1] != families[0])], dict(counts["recompiles"] or {})
+    assert decode(models[0]) == 0, dict(counts["recompiles"] or {})

@@ -1,5 +1,6 @@
 """Gates against hand-worked cases and literal transcriptions of the papers' algorithms."""
 
+import copy
 import math
 
 import pytest
@@ -8,6 +9,7 @@ from helpers import tiny_gpt_config
 
 from hf_ppmoe.moe import Gate, MoELayer, get_gate_class, register_gate
 from hf_ppmoe.moe.gates import GATES
+from hf_ppmoe.moe.losses import route_fractions
 
 
 def make_gate(router_type, *, num_experts, top_k, eye=True, **overrides):
@@ -284,6 +286,67 @@ def test_registry_custom_gate_and_unknown_name():
     ],
 )
 def test_assignment_counts_routes_as_each_gate_defines(router_type, ids, expected):
-    """The c_e of the load-balancing loss, hand-worked (4 experts, 2 routes per token)."""
+    """The c_e of the load-balancing loss, hand-worked per token (4 experts, 2 routes per token): counted from the
+    gate's routes (no one-hot), the share of the tokens per expert is the mean of the hand-worked rows."""
     gate = make_gate(router_type, num_experts=4, top_k=2)
-    assert torch.equal(gate.assignment(torch.tensor(ids)), torch.tensor(expected, dtype=torch.float32))
+    routes, share = gate.assignment(torch.tensor(ids))
+    fraction = route_fractions(routes, share, None, num_experts=4, group_size=2)
+    torch.testing.assert_close(fraction, torch.tensor(expected, dtype=torch.float32).mean(dim=0, keepdim=True), rtol=0, atol=0)
+    padded = route_fractions(routes, share, torch.tensor([True, False]), num_experts=4, group_size=2)
+    torch.testing.assert_close(padded, torch.tensor(expected[:1], dtype=torch.float32), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("router_type,top_k", [("topk", 2), ("switch", 1), ("gshard", 2), ("prototype", 2)])
+def test_bf16_routing_equals_float32_routing_within_bf16_tolerance(router_type, top_k):
+    """The router GEMM runs in the activations' dtype and the softmax in float32: a bf16 gate's logits, weights and
+    probabilities equal the float32 gate's within bf16's rounding, and it picks the same experts wherever float32's
+    choice is not a near tie (a gap larger than bf16 can blur)."""
+    gate = make_gate(router_type, num_experts=8, top_k=top_k, eye=False).eval()
+    with torch.no_grad():
+        gate.weight.div_(32**0.5)  # logits of unit scale, as a trained router's
+    x = torch.randn(512, 32)
+    ref = gate(x)
+    bf16 = copy.deepcopy(gate).bfloat16()(x.bfloat16())
+    assert bf16.router_logits.dtype == torch.bfloat16 and bf16.weights.dtype == torch.float32
+    torch.testing.assert_close(bf16.router_logits.float(), ref.router_logits, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(bf16.weights, ref.weights, atol=1e-2, rtol=2e-2)
+    # float32's margin between each chosen expert and the best one not chosen (per prototype for "prototype")
+    groups = top_k if router_type == "prototype" else 1
+    probs = ref.router_logits.view(512, groups, -1).softmax(-1)
+    ranked = probs.sort(dim=-1, descending=True).values
+    per_group = 1 if router_type == "prototype" else top_k
+    margin = (ranked[..., per_group - 1] - ranked[..., per_group]).min(dim=-1).values
+    clear = margin > 1e-2
+    assert clear.float().mean() > 0.8  # the comparison covers most tokens
+    assert torch.equal(bf16.expert_ids[clear].sort(-1).values, ref.expert_ids[clear].sort(-1).values)
+
+
+def test_router_dtype_float32_keeps_the_router_gemm_in_float32():
+    """router_dtype="float32" (Switch's setting): a bf16 gate computes its logits in float32, from the bf16 weights."""
+    gate = make_gate("switch", num_experts=8, top_k=1, eye=False, router_dtype="float32").bfloat16().eval()
+    x = torch.randn(64, 32, dtype=torch.bfloat16)
+    r = gate(x)
+    assert r.router_logits.dtype == torch.float32
+    torch.testing.assert_close(r.router_logits, x.float() @ gate.weight.float().t(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="router_dtype='bfloat16'"):
+        tiny_gpt_config(router_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("T,K,E,S", [(10, 2, 4, 10), (37, 2, 8, 10), (64, 1, 3, 7), (100, 4, 16, 25), (5, 2, 4, 3)])
+def test_positions_in_expert_follow_gshard_priority(T, K, E, S):
+    """Counted by a sort, against a literal loop: per group, every first route in token order, then every second..."""
+    from hf_ppmoe.moe import positions_in_expert
+
+    ids = torch.randint(0, E + 1, (T, K))  # E: sentinel
+    expected = torch.full((T, K), -1)
+    for g in range(0, T, S):
+        filled = [0] * E
+        for k in range(K):
+            for t in range(g, min(g + S, T)):
+                e = int(ids[t, k])
+                if e < E:
+                    expected[t, k] = filled[e]
+                    filled[e] += 1
+    got = positions_in_expert(ids, E, S)
+    routed = ids < E
+    assert torch.equal(got[routed], expected[routed])

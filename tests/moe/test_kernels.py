@@ -53,7 +53,7 @@ def test_capability_table_rows():
 
 def test_readme_and_docs_quote_the_capability_table():
     table = capability_table()
-    for page in ("README.md", "docs/gpu.md"):
+    for page in ("docs/gpu.md",):  # the README is a front page; docs/models.md links to this table
         assert table in (ROOT / page).read_text(), f"{page} does not quote hf_ppmoe.moe.capability_table()"
 
 
@@ -170,3 +170,41 @@ def test_experts_run_what_the_registry_holds_under_the_name_they_resolve(monkeyp
     assert len(calls) == 1 and torch.equal(y, x)
     layer.experts.dispatch = "batched_mm"  # Transformers' own, through the same registry
     assert layer.experts.implementation(x, ids) == "batched_mm" and "batched_mm" in EXPERTS_FUNCTIONS
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["decoding", "training"])
+def test_few_routes_without_gradients_touch_only_the_routed_experts(grad, monkeypatch):
+    """A decoding step (no gradients, fewer routes than 4 per expert) gives rows only to the experts it routes to:
+    the grouped GEMM reads no other expert's weights. With gradients every expert has a row (its anchor), so no
+    weight gradient is left to the kernel's handling of an empty group."""
+    layer = MoELayer(tiny_gpt_config(num_experts=16, num_experts_per_tok=2)).eval()
+    blocks = []
+    real = kernels_module.F.grouped_mm
+
+    def spy(x, w, offs):
+        blocks.append(torch.diff(offs, prepend=offs.new_zeros(1)))
+        return real(x, w, offs=offs)
+
+    monkeypatch.setattr(kernels_module.F, "grouped_mm", spy)
+    x = torch.randn(3, 32)
+    with torch.set_grad_enabled(grad):
+        out, routing = layer(x)
+        assert layer.experts.implementation(x, routing.expert_ids) == "index_kernel"
+    routed = set(routing.expert_ids.flatten().tolist())
+    with_rows = {e for e, n in enumerate(blocks[0].tolist()) if n > 0}
+    assert with_rows == (set(range(16)) if grad else routed)
+    assert out.shape == (3, 32) and torch.isfinite(out).all()
+
+
+def test_few_routes_with_dropped_and_padded_routes_equal_the_einsum_reference():
+    """The decoding form's single anchor serves the routes that go nowhere: outputs equal GShard's einsum dispatch."""
+    config = tiny_gpt_config(num_experts=16, num_experts_per_tok=2, eval_capacity_factor=2.0)
+    layer = MoELayer(config).eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        routing = layer.gate(x, torch.tensor([True, True, False, True]))
+        assert (routing.expert_ids == 16).any()  # padding (and capacity) left routes going nowhere
+        y = EXPERTS_FUNCTIONS["index_kernel"](layer.experts, x, routing.expert_ids, routing.weights)
+        ref = EXPERTS_FUNCTIONS["einsum"](layer.experts, x, routing.expert_ids, routing.weights)
+    torch.testing.assert_close(y, ref, atol=1e-6, rtol=1e-5)
+    assert torch.equal(y[2], torch.zeros(32))

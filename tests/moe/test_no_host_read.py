@@ -77,6 +77,17 @@ def test_training_step_on_meta_reads_nothing_on_the_host(family, gate, no_eager_
     assert set(implementations) == {"index_kernel"}
 
 
+@pytest.mark.parametrize("family", ["gpt", "gpt2-style", "seq2seq"])
+def test_whole_training_step_without_padding_reads_nothing_on_the_host(family, implementations):
+    """The batch of a pretraining run (no attention mask), with Transformers' mask builders as they are: the model
+    never hands them positions of its own, from which they would detect packed sequences by reading the device."""
+    model = build(family, "topk", torch.bfloat16).train()
+    ids = meta_batch()["input_ids"]
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    assert out.loss.device.type == "meta" and set(implementations) == {"index_kernel"}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("family", ["gpt", "seq2seq"])
 def test_decoding_step_on_meta_reads_nothing_on_the_host(family, dtype, no_eager_mask_shortcut, implementations):
@@ -90,11 +101,11 @@ def test_decoding_step_on_meta_reads_nothing_on_the_host(family, dtype, no_eager
             step = dict(encoder_outputs=encoder, attention_mask=inputs["attention_mask"])
             out = model(**step, decoder_input_ids=inputs["input_ids"][:, :5], use_cache=True)
             out = model(**step, decoder_input_ids=inputs["input_ids"][:, :1],
-                        past_key_values=out.past_key_values, use_cache=True)
+                        cache=out.past_key_values, use_cache=True)
         else:
             out = model(**inputs, use_cache=True)
             mask = torch.ones(2, 9, dtype=torch.long, device="meta")
-            out = model(input_ids=inputs["input_ids"][:, :1], attention_mask=mask, past_key_values=out.past_key_values,
+            out = model(input_ids=inputs["input_ids"][:, :1], attention_mask=mask, cache=out.past_key_values,
                         use_cache=True)
     assert out.logits.shape[:2] == (2, 1)
     assert set(implementations) == ({"all_experts"} if dtype == torch.float32 else {"index_kernel"})

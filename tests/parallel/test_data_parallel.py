@@ -57,3 +57,26 @@ def test_tensor_and_pipeline_parallel_without_fsdp_replicate_the_rest():
     reduce-scatter removes that (fsdp2_tp2 above)."""
     whole = totals("whole")[0]
     assert whole / 4 * 1.02 < max(totals("tp2_pp2")) < whole / 4 * 1.1
+
+
+def test_reshard_after_forward_false_keeps_the_gathered_layers_until_backward():
+    """Issue 31: `--fsdp_reshard_after_forward false` (Accelerate's FSDP2 option, FSDP1's SHARD_GRAD_OP) reaches
+    FSDP2: after a forward each layer still holds its gathered (plain) parameters; with the default, its shards
+    (DTensors). The backward works either way and leaves the sharded parameters with their gradients."""
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
+    from hf_ppmoe.parallel import fully_shard_model, make_mesh
+
+    mesh = make_mesh(fsdp=4)
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model = GPTMoEForCausalLM(GPTMoEConfig(**CONFIG))
+        fully_shard_model(model, mesh, reshard_after_forward=reshard)
+        ids = torch.randint(0, CONFIG["vocab_size"], (2, 8))
+        loss = model(ids, labels=ids).loss
+        layer = model.model.layers[1]
+        assert isinstance(next(layer.parameters()), DTensor) == reshard, reshard
+        loss.backward()
+        assert all(isinstance(p, DTensor) and p.grad is not None for p in layer.parameters()), reshard

@@ -68,7 +68,7 @@ def test_trainer_with_distributed_config_equals_one_process(run):
 
 def test_trainer_with_tensor_parallelism_needs_gpus():
     """The Trainer hands Accelerate a tensor-parallel ParallelismConfig for tp_size > 1, which Accelerate takes only
-    on GPUs: those layouts are run by examples/trainer_distributed.py there (README, Parallelism)."""
+    on GPUs: those layouts are run by examples/trainer_distributed.py there (docs/parallel.md)."""
     from trainer_distributed import build as build_example
     from transformers import DistributedConfig, Trainer, TrainingArguments
 

@@ -1,4 +1,4 @@
-"""examples/parallel_train.py (the pipeline loop the README points to) runs: TP x PP on 4 processes, loss decreasing."""
+"""examples/parallel_train.py (the pipeline loop docs/parallel.md points to) runs: TP x PP on 4 processes, loss decreasing."""
 
 import os
 import re

@@ -36,7 +36,8 @@ def visible_modules():
     from hf_ppmoe.moe import MoELayer
     from hf_ppmoe.moe.experts import Experts
     from hf_ppmoe.parallel import expert_mesh, init_distributed, make_mesh, parallelize
-    from hf_ppmoe.parallel.expert_parallel import PPMoELayer
+    from hf_ppmoe.moe.layer import TokenDispatcher
+    from hf_ppmoe.parallel.expert_parallel import AllToAllDispatcher, PPMoEDispatcher
     from hf_ppmoe.parallel.modules import ExpertParallel, TensorParallel
 
     init_distributed()
@@ -55,7 +56,8 @@ def visible_modules():
         ref.load_state_dict(model.state_dict())
         parallelize(model, mesh["tp"])
         text = repr(model)
-        assert "PPMoELayer(" in text and ppmoe in text, text
+        assert f"(dispatcher): PPMoEDispatcher(style='ppmoe_ffn', group_size=2, rank={rank})" in text, text
+        assert ppmoe in text, text
         colwise = "in_features=32, out_features=32, bias=False, style='colwise', group_size=2"
         assert f"TensorParallelLinear({colwise}, rank={rank})" in text, text
         assert "style='rowwise'" in text and "style='replicated_input'" in text and "style='embedding_rowwise'" in text
@@ -65,7 +67,7 @@ def visible_modules():
             assert isinstance(module, (TensorParallel, ExpertParallel)) == (type(module) is not type(original)), name
         experts = [m for m in model.modules() if isinstance(m, Experts)]
         assert all(isinstance(e, ExpertParallel) and e.num_experts == 2 for e in experts)
-        assert all(isinstance(m, PPMoELayer) for m in model.modules() if isinstance(m, MoELayer))
+        assert all(isinstance(m.dispatcher, PPMoEDispatcher) for m in model.modules() if isinstance(m, MoELayer))
         assert list(model.state_dict()) == keys
         # what the repr shows is what runs: the same loss as the unsplit model
         ids = torch.randint(3, config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
@@ -78,9 +80,9 @@ def visible_modules():
     )
     model = GPTMoEForCausalLM.maybe_distribute_model(GPTMoEForCausalLM(tiny_gpt_config()), distributed, manager)
     text = repr(model)
-    assert "PPMoELayer(" in text and ppmoe in text, text
+    assert "PPMoEDispatcher(style='ppmoe_ffn'" in text and ppmoe in text, text
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    assert all(isinstance(m, PPMoELayer) and isinstance(m.experts, ExpertParallel) for m in layers)
+    assert all(isinstance(m.dispatcher, PPMoEDispatcher) and isinstance(m.experts, ExpertParallel) for m in layers)
 
     # experts over the data-parallel ranks (tp=1, ep=2): Transformers' all-to-all
     data_mesh = make_mesh(fsdp=2)
@@ -89,7 +91,12 @@ def visible_modules():
     all_to_all = f"style='all_to_all_with_drops', group_size=2, rank={rank}, experts=[{2 * rank}, {2 * rank + 2}) of 4"
     assert all_to_all in text, text
     assert all(isinstance(m, ExpertParallel) for m in model.modules() if isinstance(m, Experts))
-    assert "PPMoELayer" not in text and "TensorParallel" not in text, text
+    assert f"(dispatcher): AllToAllDispatcher(style='all_to_all_with_drops', group_size=2, rank={rank})" in text, text
+    assert all(isinstance(m.dispatcher, AllToAllDispatcher) for m in model.modules() if isinstance(m, MoELayer))
+    assert "PPMoEDispatcher" not in text and "TensorParallel" not in text, text
+    # a single device: the local dispatcher, every step on this device
+    assert all(type(m.dispatcher) is TokenDispatcher for m in GPTMoEForCausalLM(tiny_gpt_config()).modules()
+               if isinstance(m, MoELayer))
     dist.destroy_process_group()
 
 

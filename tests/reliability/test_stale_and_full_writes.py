@@ -1,13 +1,16 @@
 """Issue 25, hf_ppmoe.utils.atomic: a killed writer's temporary folder is deleted by the next write into the same
 parent also while its process number still answers (a zombie not yet reaped, or a number reused by a later process);
-a writer that reports a full disk without an errno (torch.save's "unexpected pos") gets the clear out-of-space error,
-with the earlier folder intact."""
+also when a helper it forked still holds its lock (issue 31), and one that cannot be deleted is named in a warning;
+a writer that reports a full disk without an errno (torch.save's "unexpected pos") gets the clear out-of-space
+error, with the earlier folder intact."""
 
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 import hf_ppmoe.utils.atomic as atomic
 from hf_ppmoe.utils.atomic import atomic_folder
@@ -111,3 +114,40 @@ def test_an_error_that_is_not_a_full_disk_stays_itself(tmp_path):
     except RuntimeError as error:
         assert not isinstance(error, OSError) and str(error) == "unrelated"
     assert list(tmp_path.iterdir()) == []
+
+
+# a writer that forks a helper (which inherits the lock on the temporary folder, as a data loader worker would) and
+# stops half-way (argv: atomic.py, target); prints the helper's process id
+FORKING_WRITER = PAUSED_WRITER.replace(
+    '    print("writing", flush=True)',
+    '    import os\n    helper = os.fork()\n    if helper == 0:\n        time.sleep(120)\n        os._exit(0)\n'
+    '    print(helper, flush=True)',
+)
+
+
+def test_a_killed_writer_whose_forked_helper_holds_the_lock_is_cleaned_by_the_next_write(tmp_path):
+    """Issue 31: save_pretrained killed while writing a new folder left `.NAME.saving-...` behind for good."""
+    writer = subprocess.Popen([sys.executable, "-c", FORKING_WRITER, atomic.__file__, str(tmp_path / "new")],
+                              stdout=subprocess.PIPE, text=True)
+    helper = int(writer.stdout.readline())
+    try:
+        writer.kill()
+        writer.wait()
+        assert len(_hidden(tmp_path)) == 1  # the killed save's folder, its lock still held by the helper
+        _write(tmp_path / "other")  # the next write into the parent
+        assert _hidden(tmp_path) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+    finally:
+        os.kill(helper, signal.SIGKILL)
+
+
+def test_a_stale_folder_that_cannot_be_deleted_is_named_in_a_warning(tmp_path, monkeypatch):
+    stale = tmp_path / f".new.saving-{atomic._HOST}-{2**22 + 7}-0123abcd"  # above pid_max's default: no such process
+    stale.mkdir()
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(atomic.shutil, "rmtree", refuse)
+    with pytest.warns(UserWarning, match=rf"{stale.name} is left over from a write whose process .* delete it by hand"):
+        atomic.recover(tmp_path)
+    assert stale.exists()

@@ -47,6 +47,7 @@ def test_every_stage_section_and_plot(demo, capsys):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _number(r"max \|logit difference\| between the fresh MoE and the dense model\s+on \d+ held-out blocks = (\S+) ", report) < 1e-4
     assert "Identical to Transformers' beam search: True" in report
+    assert "a router per MoE layer: gate `topk`" in report and "The router starts random" in report  # issue 31
     assert isinstance(AutoModelForCausalLM.from_pretrained(out / "merged"), GPT2LMHeadModel)  # plain Transformers
     # the held-out topics are named in the report and none of them is in the training data
     held, train = _texts(out / "data" / "held-out.jsonl"), _texts(out / "data" / "train.jsonl")

@@ -81,7 +81,7 @@ def test_a_batch_without_targets_is_counted_and_adds_nothing(files, tmp_path):
     ],
 )
 def test_accelerates_fsdp_request_is_mapped_onto_fsdp_size(monkeypatch, env, world, tp, expected):
-    for name in ("ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY", "LOCAL_WORLD_SIZE"):
+    for name in ("ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY", "LOCAL_WORLD_SIZE", "FSDP_RESHARD_AFTER_FORWARD"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -94,6 +94,40 @@ def test_accelerates_fsdp_request_is_mapped_onto_fsdp_size(monkeypatch, env, wor
 
 def test_an_fsdp_strategy_that_cannot_be_mapped_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
-    with pytest.raises(ValueError, match="SHARD_GRAD_OP is not supported.*--fsdp_size"):
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_EVERYTHING")
+    with pytest.raises(ValueError, match="SHARD_EVERYTHING is not known.*--fsdp_size"):
         accelerate_fsdp_request(TrainArguments(), 2)
+
+
+@pytest.mark.parametrize("env", [{"FSDP_RESHARD_AFTER_FORWARD": "false"}, {"FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP"},
+                                 {"FSDP_SHARDING_STRATEGY": "2"}, {"FSDP_RESHARD_AFTER_FORWARD": "SHARD_GRAD_OP"}])
+def test_fsdp2_reshard_after_forward_false_is_honoured(monkeypatch, env):
+    """Issue 31: `accelerate launch --fsdp_version 2 --fsdp_reshard_after_forward false` (FSDP2's SHARD_GRAD_OP)
+    reached a run that said FULL_SHARD and resharded anyway."""
+    for name, value in {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2", **env}.items():
+        monkeypatch.setenv(name, value)
+    args = TrainArguments()
+    note = accelerate_fsdp_request(args, 4)
+    assert args.fsdp_size == 4 and args.fsdp_reshard_after_forward is False
+    assert "kept from its forward to its backward (reshard_after_forward=False)" in note
+
+
+@pytest.mark.parametrize("name, value, words", [
+    ("FSDP_OFFLOAD_PARAMS", "true", "CPU offload"),
+    ("FSDP_ACTIVATION_CHECKPOINTING", "true", "activation checkpointing"),
+    ("FSDP_FORWARD_PREFETCH", "true", "forward prefetching"),
+    ("FSDP_BACKWARD_PREFETCH", "NO_PREFETCH", "BACKWARD_PRE"),
+    ("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP"),
+    ("FSDP_IGNORED_MODULES", "lm_head", "every module is sharded"),
+    ("FSDP_RESHARD_AFTER_FORWARD", "sometimes", "use true or false"),
+])
+def test_every_accelerate_fsdp_option_we_cannot_honour_is_refused_in_one_line(monkeypatch, name, value, words):
+    # what `accelerate launch --use_fsdp --fsdp_version 2` sets by default passes (the test above)
+    defaults = {"FSDP_VERSION": "2", "FSDP_OFFLOAD_PARAMS": "false", "FSDP_RESHARD_AFTER_FORWARD": "true",
+                "FSDP_FORWARD_PREFETCH": "false", "FSDP_ACTIVATION_CHECKPOINTING": "false",
+                "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": "false", "FSDP_USE_ORIG_PARAMS": "true"}
+    for key, default in {"ACCELERATE_USE_FSDP": "true", **defaults, name: value}.items():
+        monkeypatch.setenv(key, default)
+    with pytest.raises(ValueError, match=f"^accelerate launch --{name.lower()} {value}: .*{words}") as refused:
+        accelerate_fsdp_request(TrainArguments(), 2)
+    assert "\n" not in str(refused.value)

@@ -149,6 +149,9 @@ def test_any_split_of_a_step_trains_the_same(pairs):
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     reference = gradient(1, 8, 1)
+    # what the run prints as `data: ...` (issue 31: it was the object's address)
+    described = str(PairData(tokens, tokens, TrainArguments(), tokenizer.pad_token_id))
+    assert described.startswith(f"{len(tokens)} training pairs (source + target: ") and described.endswith(f"{len(tokens)} held out")
     torch.testing.assert_close(gradient(2, 4, 1), reference, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(gradient(2, 2, 2), reference, atol=1e-6, rtol=1e-5)
 

@@ -457,7 +457,7 @@ def test_errors_that_need_the_model_config(monkeypatch):
 def test_cli_reports_bad_arguments_in_one_line(tmp_path):
     result = run_cli(["--train_file", str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path)])
     assert result.returncode == 2
-    assert "error: Data file" in result.stderr and "Traceback" not in result.stderr
+    assert "error: --train_file" in result.stderr and "no such file" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_help_text_formats():
