@@ -1,4 +1,4 @@
-"""Peak memory and preparation time of the training data path (hf_ppmoe.training.blocks) as the corpus grows, against
+"""Peak memory and preparation time of the training data path (hf_ppmoe.training.block_data) as the corpus grows, against
 the run_clm.py way, on corpora generated from the built-in corpus:
 
     python benchmarks/data.py                   # 25, 100 and 400 MB; prints a markdown table

@@ -61,6 +61,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
 from hf_ppmoe.conversion import upcycle
+from hf_ppmoe.modeling.loss import lm_loss_of
 from hf_ppmoe.moe import MoELayer
 from hf_ppmoe.training.data import train_tokenizer
 from hf_ppmoe.training.tracking import RouterMonitor
@@ -249,8 +250,9 @@ def evaluate(model, blocks: torch.Tensor, s: Setting) -> float:
     for x in blocks.split(s.batch):
         x = x.to(s.device)
         with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            logits = model(x).logits
-        total += torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten(), reduction="sum")
+            quiet = {"compute_router_losses": False} if isinstance(model, GPTMoEForCausalLM) else {}  # no statistics
+            lm_loss, count = lm_loss_of(model(x, labels=x, **quiet), x, causal=True)
+        total += lm_loss.double() * count
     model.train()
     return (total / (blocks.shape[0] * (blocks.shape[1] - 1))).item()
 
@@ -305,10 +307,7 @@ def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str 
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        lm = out.loss.detach()
-        if out.aux_loss is not None:
-            lm = lm - config.router_aux_loss_coef * out.aux_loss.detach() - config.router_z_loss_coef * out.z_loss.detach()
-        train_loss += lm
+        train_loss += lm_loss_of(out, x, causal=True)[0].detach()
     monitor.remove()
     tokens = timed["steps"] * s.batch * s.block
     return {

@@ -1,12 +1,18 @@
-"""The house rules a reader relies on (issue 24): no module of hf_ppmoe over 600 lines, and no method assigned onto a
-class from another module (a class's behaviour is in the class)."""
+"""The house rules a reader relies on (issues 24 and 30): no module of hf_ppmoe over 600 lines, no method assigned
+onto a class from another module (a class's behaviour is in the class), no import cycle between the modules of any
+top-level package of the repository, and no two modules of one file name unless they are the same kind of thing."""
 
 import ast
+import collections
 from pathlib import Path
+
+import pytest
 
 import hf_ppmoe
 
 PACKAGE = Path(hf_ppmoe.__file__).parent
+ROOT = PACKAGE.parent
+TOP_LEVEL = sorted(p.parent.name for p in ROOT.glob("*/__init__.py") if p.parent.name.startswith("hf_ppmoe"))
 
 
 def test_no_module_over_600_lines():
@@ -27,3 +33,115 @@ def test_no_method_is_assigned_onto_an_imported_class():
                 if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id in imported:
                     found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {target.value.id}.{target.attr} = ...")
     assert not found, found
+
+
+def _imports(path: Path, package: str, modules) -> set[str]:
+    """The repository modules `path` imports, relative or absolute, at any depth of the file (a function's lazy import
+    counts: it runs the same module graph, later)."""
+    imported = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            imported.add(target)
+            imported.update(f"{target}.{alias.name}" for alias in node.names)  # `from . import expert_parallel`
+        elif isinstance(node, ast.Import):
+            imported.update(alias.name for alias in node.names)
+    return {m for m in imported if m in modules}
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {}
+    for top in TOP_LEVEL:
+        for path in (ROOT / top).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            package = name.rsplit(".", 1)[0] if path.name != "__init__.py" else name.removesuffix(".__init__")
+            modules[name.removesuffix(".__init__")] = (path, package)
+    # a subpackage's __init__ only hands names on (its modules are nodes of their own); a top-level package's
+    # __init__ can be a module in its own right (hf_ppmoe_cli is one)
+    nodes = {name for name, (path, _) in modules.items() if path.name != "__init__.py" or "." not in name}
+    return {name: _imports(path, package, nodes) - {name} for name, (path, package) in modules.items() if name in nodes}
+
+
+def _cycles(graph) -> list[list[str]]:
+    state, found = {}, []
+
+    def visit(name, trail):
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                found.append([*trail, name, target])
+            elif target not in state:
+                visit(target, [*trail, name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    return found
+
+
+def test_the_cycle_check_covers_every_top_level_package():
+    assert {"hf_ppmoe", "hf_ppmoe_cli"} <= set(TOP_LEVEL)
+    graph = _module_graph()
+    assert "hf_ppmoe_cli" in graph and "hf_ppmoe.modeling.common" in graph
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+
+
+KNOWN = [
+    ["hf_ppmoe.cli", "hf_ppmoe_cli", "hf_ppmoe.cli"],
+    ["hf_ppmoe.cli", "hf_ppmoe.conversion.commands", "hf_ppmoe.conversion.megatron_checkpoint", "hf_ppmoe.conversion.commands"],
+]
+
+
+def test_no_import_cycle_but_the_known_one():
+    """No import cycle in hf_ppmoe or across the top-level packages, but the known ones (the `hf-ppmoe` launcher and
+    hf_ppmoe.cli; conversion/commands.py and megatron_checkpoint.py importing each other lazily), which
+    `test_no_import_cycle` expects to fail until they are gone."""
+    assert [c for c in _cycles(_module_graph()) if c not in KNOWN] == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="hf_ppmoe/cli.py imports the launcher hf_ppmoe_cli (COMMANDS, main), which imports hf_ppmoe.cli.run back; "
+    "conversion/commands.py imports megatron_checkpoint.py lazily and megatron_checkpoint.main imports "
+    "commands.megatron_main back; to be cut in those files -- then drop this marker and KNOWN",
+)
+def test_no_import_cycle():
+    assert _cycles(_module_graph()) == []
+
+
+# modules of one file name in two packages that are the same kind of thing (a package's face, an entry point)
+SAME_KIND = {"__init__.py", "__main__.py"}
+
+
+def test_no_two_modules_of_one_name():
+    names = collections.defaultdict(list)
+    for top in TOP_LEVEL:
+        for path in (ROOT / top).rglob("*.py"):
+            names[path.name].append(str(path.relative_to(ROOT)))
+    twice = {name: sorted(paths) for name, paths in names.items() if len(paths) > 1 and name not in SAME_KIND}
+    assert twice == KNOWN_TWICE, "two modules of one name in different packages: " + repr(twice)
+
+
+# left until it is renamed (training/arguments.py: the training run's arguments; utils/arguments.py: the CLI parser
+# style both use; both are being reworked for issue 31)
+KNOWN_TWICE = {"arguments.py": ["hf_ppmoe/training/arguments.py", "hf_ppmoe/utils/arguments.py"]}
+
+
+# files a comment may not point at: they are not in the repository
+OUTSIDE = ("DESIGN.md", "STYLE.md", "STYLE lesson", "megatron.py")
+
+
+def test_no_comment_points_outside_the_repository():
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for top in TOP_LEVEL
+        for path in (ROOT / top).rglob("*.py")
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if any(name in line for name in OUTSIDE)
+    ]
+    assert not found, "\n".join(found)

@@ -51,7 +51,7 @@ from .architectures import ARCHITECTURES, _llama_names, expert_rules
 from .choices import EXPORT_CLASSES
 from .io import open_checkpoint
 from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
-from .pipeline import deliver, expected_tensors
+from .delivery import deliver, expected_tensors
 from .t5 import switch_sparse_layers
 from .upcycling import moe_config_loader
 

@@ -20,7 +20,7 @@ from .architectures import get_architecture
 from .choices import MERGE_METHODS
 from .io import open_checkpoint
 from .mapping import ConversionError
-from .pipeline import deliver
+from .delivery import deliver
 from .upcycling import MODEL_CLASSES, experts_mapping, moe_config_loader, moe_ffns, run_on_text, sample_ids
 
 

@@ -29,7 +29,7 @@ from .architectures import Architecture, get_architecture
 from .choices import ROUTER_INITS, default_experts_per_token
 from .io import Checkpoint, open_checkpoint, read_config_dict
 from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, rename
-from .pipeline import deliver
+from .delivery import deliver
 
 
 

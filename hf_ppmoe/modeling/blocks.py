@@ -24,7 +24,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
 from ..moe.losses import losses_wanted
-from .common import build_norm, layer_outputs
+from .common import layer_outputs
+from .norms import build_norm
 
 
 def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, position_bias=None, **_):

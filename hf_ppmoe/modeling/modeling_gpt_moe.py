@@ -4,9 +4,8 @@
 Legend: B batch, L query length, H hidden, T = B * L tokens.
 """
 
-from __future__ import annotations
-
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import nn
@@ -15,12 +14,17 @@ from transformers.masking_utils import create_causal_mask, create_sliding_window
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
+from ..utils.transformers_private import attention_implementation
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
 from .blocks import head_output, model_forward, output_recorders, run_layers
-from .common import MoEPreTrainedModel, RMSNorm, build_norm, check_ids, check_tokens, model_loss, routing_token_mask
+from .common import MoEPreTrainedModel
 from .configuration_gpt_moe import GPTMoEConfig
+from .inputs import check_ids, check_tokens, routing_token_mask
+from .loss import lm_targets, model_loss
+from .norms import RMSNorm, build_norm
 
 
 @dataclass
@@ -35,11 +39,13 @@ class GPTMoEModelOutput(MoeModelOutputWithPast):
 
 @dataclass
 class GPTMoECausalLMOutput(MoeCausalLMOutputWithPast):
-    """`loss` (when labels are given): the LM loss plus the router term of `aux_loss` and `z_loss`
-    (`hf_ppmoe.modeling.common.model_loss`)."""
+    """`loss` (when labels are given): the LM loss `lm_loss` plus the router term of `aux_loss` and `z_loss`
+    (`hf_ppmoe.modeling.loss.model_loss`); `num_target_tokens`: the labels the LM loss predicts (not -100)."""
 
     router_expert_ids: tuple[torch.Tensor, ...] | None = None
     z_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    num_target_tokens: torch.Tensor | None = None
 
 
 class GPTMoERotaryEmbedding(nn.Module):
@@ -114,7 +120,7 @@ class GPTMoEAttention(nn.Module):
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_implementation(self.config), eager_attention_forward)
         return attend(self, attention, q, k, v, attention_mask, sliding_window=self.config.sliding_window, **kwargs)
 
 
@@ -160,7 +166,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> GPTMoEModelOutput:
         """Also takes output_attentions, output_hidden_states and output_router_logits (`capture_moe_outputs`).
         `compute_router_losses` (default: when gradients are enabled or router logits are requested) fills
@@ -260,10 +266,12 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
         logits_to_keep: int | torch.Tensor = 0,
-        **kwargs,
+        compute_router_losses: bool | None = None,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> GPTMoECausalLMOutput:
         """labels [B, L] give the loss (token t + 1 predicted at position t; -100: ignored); a batch without a target
-        (all -100, or one-token sequences) has loss 0 (`model_loss`). Output flags as `GPTMoEModel` takes them."""
+        (all -100, or one-token sequences) has loss 0 (`model_loss`). Output flags as `GPTMoEModel` takes them;
+        `compute_router_losses` defaults to True with labels (False: the LM loss alone, no routing statistics)."""
         out = self.model(
             return_dict=True,
             input_ids=input_ids,
@@ -272,20 +280,19 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            compute_router_losses=True if labels is not None else None,
+            compute_router_losses=True if compute_router_losses is None and labels is not None else compute_router_losses,
             **kwargs,
         )
         hidden = out.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden[:, keep, :])
 
-        loss = None
+        losses = {}
         if labels is not None:
-            # the LM loss predicts labels[:, 1:] (or the shift_labels given)
-            targets = kwargs["shift_labels"] if kwargs.get("shift_labels") is not None else labels[..., 1:]
+            targets = lm_targets(labels, causal=True, shift_labels=kwargs.get("shift_labels"))
             lm_loss = self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
-            loss = model_loss(lm_loss, targets, kwargs.get("num_items_in_batch"), self.config, out.aux_loss, out.z_loss)
-        return head_output(GPTMoECausalLMOutput, out, loss=loss, logits=logits)
+            losses = model_loss(lm_loss, targets, kwargs.get("num_items_in_batch"), self.config, out.aux_loss, out.z_loss)._asdict()
+        return head_output(GPTMoECausalLMOutput, out, logits=logits, **losses)
 
 
 __all__ = ["GPTMoEForCausalLM", "GPTMoEModel", "GPTMoEPreTrainedModel"]

@@ -13,10 +13,9 @@ its scores; cross-attention has none. Padding tokens (encoder `attention_mask`; 
 labels == -100) are kept out of routing statistics and router losses.
 """
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
+from typing import Unpack
 
 import torch
 from torch import nn
@@ -29,13 +28,17 @@ from transformers.modeling_outputs import (
     Seq2SeqMoEOutput,
 )
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
+from ..utils.transformers_private import attention_implementation, register_output_recorders
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
-from .common import MoEPreTrainedModel, build_norm, check_ids, check_tokens, model_loss, routing_token_mask
+from .common import MoEPreTrainedModel
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
+from .inputs import check_ids, check_tokens, routing_token_mask
+from .loss import is_target, lm_targets, model_loss
+from .norms import build_norm
 
 
 @dataclass
@@ -75,13 +78,16 @@ class Seq2SeqMoEModelOutputWithLosses(Seq2SeqMoEModelOutput):
 
 @dataclass
 class Seq2SeqMoELMOutput(Seq2SeqMoEOutput):
-    """`loss` (when labels are given): the LM loss plus the router term of `aux_loss` and `z_loss`, averaged over the
-    MoE layers of both stacks (`hf_ppmoe.modeling.common.model_loss`)."""
+    """`loss` (when labels are given): the LM loss `lm_loss` plus the router term of `aux_loss` and `z_loss`, averaged
+    over the MoE layers of both stacks (`hf_ppmoe.modeling.loss.model_loss`); `num_target_tokens`: the labels the LM
+    loss predicts (not -100)."""
 
     encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None
     aux_loss: torch.Tensor | None = None
     z_loss: torch.Tensor | None = None
+    lm_loss: torch.Tensor | None = None
+    num_target_tokens: torch.Tensor | None = None
 
 
 def relative_position_bucket(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int):
@@ -145,7 +151,7 @@ class Seq2SeqMoEAttention(nn.Module):
         """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
         q = self._project(self.q_proj, hidden_states)
         k, v = self._key_values(hidden_states, key_value_states, cache)
-        attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_implementation(self.config), eager_attention_forward)
         return attend(self, attention, q, k, v, attention_mask, position_bias=position_bias, **kwargs)
 
 
@@ -180,8 +186,7 @@ class Seq2SeqMoEStack(nn.Module):
         self.norm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.num_moe_layers = sum(layer.is_moe for layer in self.layers)
-        # Transformers' output hooks look a module's recorders up here (PreTrainedModel.__init__ does the same)
-        _CAN_RECORD_REGISTRY[self] = self._can_record_outputs
+        register_output_recorders(self, self._can_record_outputs)
 
     def position_bias(self, query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
         """[1, N, query_length, key_length]: the bias of key j for query i (at absolute position past_length + i)."""
@@ -237,7 +242,7 @@ class Seq2SeqMoEEncoder(Seq2SeqMoEStack):
         attention_mask: torch.Tensor | None = None,
         inputs_embeds: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEStackOutput:
         """input_ids [B, S], attention_mask [B, S] (0 for padding) -> last_hidden_state [B, S, H] and router outputs;
         output flags as `capture_moe_outputs` reads them."""
@@ -293,7 +298,7 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         use_cache: bool | None = None,
         token_mask: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEStackOutput:
         """input_ids [B, L] (the new tokens when cache holds P earlier ones), attention_mask [B, P + L],
         encoder_hidden_states [B, S, H], encoder_attention_mask [B, S], token_mask [B, L] (False: not routed for
@@ -304,6 +309,12 @@ class Seq2SeqMoEDecoder(Seq2SeqMoEStack):
         self_cache = cache.self_attention_cache if cache is not None else None
         L = inputs_embeds.shape[1]
         P = self_cache.get_seq_length() if self_cache is not None else 0
+        if attention_mask is not None and attention_mask.dim() == 2 and isinstance(P, int) and attention_mask.shape[1] != P + L:
+            cached = f" after {P} cached ones" if P else ""
+            raise ValueError(
+                f"decoder_attention_mask has length {attention_mask.shape[1]}, but the decoder input has {L} tokens"
+                f"{cached}: the mask needs one entry per decoder token ({P + L})."
+            )
 
         causal_mask = create_causal_mask(
             config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=self_cache
@@ -421,7 +432,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         use_cache: bool | None = None,
         decoder_token_mask: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEModelOutputWithLosses:
         """The encoder runs unless `encoder_outputs` is given (as `generate` does after its first step).
         decoder_token_mask [B, L]: decoder tokens that count in router losses/statistics (besides the mask).
@@ -481,6 +492,13 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
     def set_input_embeddings(self, new_embeddings):
         self.model.set_input_embeddings(new_embeddings)
 
+    def lm_logits(self, decoder_output: torch.Tensor) -> torch.Tensor:
+        """The LM head on the decoder's output [B, L, H] -> [B, L, V] (also a pipeline's last stage's)."""
+        if self.config.scale_decoder_outputs:
+            # T5 v1.0: the LM head is the embedding matrix, whose init std is 1; this keeps logits at unit scale
+            decoder_output = decoder_output * self.config.hidden_size**-0.5
+        return self.lm_head(decoder_output)
+
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
         """Used by DataCollatorForSeq2Seq to build decoder_input_ids."""
         return self._shift_right(labels)
@@ -498,7 +516,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
-        **kwargs,
+        **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoELMOutput:
         """labels [B, L] (-100: ignored) give the loss and, unless decoder inputs are passed, the decoder inputs
         (`_shift_right`). Router losses count the tokens the LM loss counts. A batch without a target label has loss 0
@@ -517,21 +535,18 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
-            decoder_token_mask=labels != -100 if labels is not None else None,
+            decoder_token_mask=is_target(labels) if labels is not None else None,
             compute_router_losses=True if labels is not None else None,
             **kwargs,
         )
-        hidden = out.last_hidden_state
-        if self.config.scale_decoder_outputs:
-            # T5 v1.0: the LM head is the embedding matrix, whose init std is 1; this keeps logits at unit scale
-            hidden = hidden * self.config.hidden_size**-0.5
-        logits = self.lm_head(hidden)
+        logits = self.lm_logits(out.last_hidden_state)
 
-        loss = None
+        losses = {}
         if labels is not None:
             lm_loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
-            loss = model_loss(lm_loss, labels, num_items_in_batch, self.config, out.aux_loss, out.z_loss)
-        return head_output(Seq2SeqMoELMOutput, out, loss=loss, logits=logits)
+            targets = lm_targets(labels, causal=False)
+            losses = model_loss(lm_loss, targets, num_items_in_batch, self.config, out.aux_loss, out.z_loss)._asdict()
+        return head_output(Seq2SeqMoELMOutput, out, logits=logits, **losses)
 
 
 __all__ = [

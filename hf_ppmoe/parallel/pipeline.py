@@ -20,7 +20,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from ..modeling.common import NoPositions
+from ..modeling.stages import drop_input_parts, is_held, keep_layers
+from ..modeling.loss import is_target, lm_targets, num_target_tokens
 from ..moe.layer import MoELayer
 from ..moe.losses import router_loss
 from .tensor_parallel import parallelize
@@ -100,7 +101,8 @@ class _Stage(nn.Module):
 
 class GPTMoEStage(_Stage):
     """Layers `layers` of a `GPTMoEForCausalLM`, with the embeddings on the first stage and the final norm and head
-    on the last. `model` is trimmed in place and kept as `self.model`.
+    on the last. `model` is trimmed in place (`hf_ppmoe.modeling.stages`: the layers keep their index in the whole
+    model) and kept as `self.model`.
 
     forward(x, attention_mask=None): x is input_ids [B, L] on the first stage, hidden states [B, L, H] on the others;
     returns hidden states, or the logits on the last stage."""
@@ -108,18 +110,17 @@ class GPTMoEStage(_Stage):
     def __init__(self, model, layers: range, is_first: bool, is_last: bool, num_microbatches: int):
         base, config = model.model, model.config
         tied = _head_tied(model)
-        base.layers = nn.ModuleList(base.layers[i] for i in layers)
+        keep_layers(base.layers, layers)
         if not is_first:
             base.embed_tokens = None
-            base.dropout = nn.Identity()  # applied to the embeddings only
-            if config.position_embedding_type == "learned":
-                base.embed_positions = NoPositions()
+            drop_input_parts(base)
         if not is_last:
             base.norm, model.lm_head = nn.Identity(), None
         model.init_parallel_plans()  # the plans now name only what this stage holds
         moe_total = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         super().__init__(model, is_first, is_last, num_microbatches, moe_total)
-        self.tied, self.moe_here = tied, sum(isinstance(layer.mlp, MoELayer) for layer in base.layers)
+        self.tied = tied
+        self.moe_here = sum(isinstance(layer.mlp, MoELayer) for layer in base.layers if is_held(layer))
 
     @staticmethod
     def num_layers(config) -> int:
@@ -145,7 +146,7 @@ class GPTMoEStage(_Stage):
         if decoder_attention_mask is not None:
             raise ValueError("decoder_attention_mask is for encoder-decoders; a GPT-MoE takes attention_mask only.")
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
-        return (input_ids,), kwargs, (labels[..., 1:] != -100).sum()  # token t+1 is predicted at position t
+        return (input_ids,), kwargs, num_target_tokens(lm_targets(labels, causal=True))
 
     def loss(self, logits, labels, num_items_in_batch):
         config = self.model.config
@@ -183,7 +184,7 @@ class Seq2SeqMoEStage(_Stage):
             if not keep[name]:
                 setattr(base, name, None)
                 continue
-            stack.layers = nn.ModuleList(stack.layers[i] for i in keep[name])
+            keep_layers(stack.layers, keep[name])
             stack.embed_tokens = None  # the stage embeds (the stack's dropout applies to its input and its output:
             stack.dropout = nn.Identity()  # the stage applies it where the stack starts and where it ends)
             if depth - 1 not in keep[name]:
@@ -238,10 +239,7 @@ class Seq2SeqMoEStage(_Stage):
         stacks.append((out, self.moe_here["decoder"]))
         if not self.is_last:
             return self._with_router_loss(out.last_hidden_state, stacks), encoder_output
-        hidden = self._with_router_loss(self.dropout(out.last_hidden_state), stacks)
-        if self.model.config.scale_decoder_outputs:
-            hidden = hidden * self.model.config.hidden_size**-0.5
-        return self.model.lm_head(hidden)
+        return self.model.lm_logits(self._with_router_loss(self.dropout(out.last_hidden_state), stacks))
 
     def shared_parameters(self):
         base, shared = self.model.model, {}
@@ -255,11 +253,11 @@ class Seq2SeqMoEStage(_Stage):
         return shared
 
     def step_inputs(self, input_ids, labels, attention_mask, decoder_attention_mask):
-        kwargs = {"decoder_input_ids": self.model._shift_right(labels), "decoder_token_mask": labels != -100}
+        kwargs = {"decoder_input_ids": self.model._shift_right(labels), "decoder_token_mask": is_target(labels)}
         for name, mask in (("attention_mask", attention_mask), ("decoder_attention_mask", decoder_attention_mask)):
             if mask is not None:
                 kwargs[name] = mask
-        return (input_ids,), kwargs, (labels != -100).sum()
+        return (input_ids,), kwargs, num_target_tokens(lm_targets(labels, causal=False))
 
     def loss(self, logits, labels, num_items_in_batch):
         return ForMaskedLMLoss(logits, labels, self.model.config.vocab_size, num_items_in_batch=num_items_in_batch)
@@ -298,8 +296,9 @@ class Pipeline:
     `module` is the stage (give its parameters to the optimizer), `layers[r]` the layers of stage r (indices in the
     whole model). The batch size must be a multiple of `num_microbatches`; a new batch shape sets the schedule up
     again (cheap, but keep shapes fixed where you can). After `step`, `losses` holds that step's parts of the loss
-    on every rank: {"lm", "aux", "z"} (LM token mean; router aux / z losses averaged over the model's MoE layers and
-    the microbatches, before their coefficients). `forward` runs a GPT-MoE forward only (evaluation).
+    on every rank: {"lm", "aux", "z", "num_target_tokens"} (LM token mean; router aux / z losses averaged over the
+    model's MoE layers and the microbatches, before their coefficients; the batch's target tokens). `forward` runs a
+    GPT-MoE forward only, `lm_loss` its LM loss (evaluation).
     """
 
     def __init__(self, model, pp, *, num_microbatches: int, schedule: str = "1f1b", layers=None, tp=None):
@@ -384,7 +383,7 @@ class Pipeline:
         if self.module.router_losses:
             parts[1:] += torch.stack(self.module.router_losses).mean(0)
         dist.all_reduce(parts, group=self.group)
-        self.losses = dict(zip(("lm", "aux", "z"), parts.unbind()))
+        self.losses = dict(zip(("lm", "aux", "z"), parts.unbind()), num_target_tokens=num_tokens)
         return parts[0] + router_loss(self.module.model.config, parts[1], parts[2])
 
     @torch.no_grad()
@@ -404,3 +403,12 @@ class Pipeline:
             return out
         dist.send(out.to(self.module.model.dtype).contiguous(), group=self.group, group_dst=self.rank + 1)
         return None
+
+    @torch.no_grad()
+    def lm_loss(self, input_ids, labels, attention_mask=None):
+        """`forward`, then on the last stage (LM loss, number of target tokens) of `labels` [B, L] (-100 ignored), by
+        the model's own loss function; None on the other stages."""
+        logits = self.forward(input_ids, attention_mask=attention_mask)
+        if logits is None:
+            return None
+        return self.module.loss(logits, labels, None), num_target_tokens(lm_targets(labels, causal=True))

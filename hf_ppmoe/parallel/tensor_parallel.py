@@ -20,8 +20,9 @@ from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
-from ..modeling.common import tied_head_kept
+from ..modeling.parallel_hooks import tied_head_kept
 from ..moe.layer import MoELayer, TokenDispatcher
+from ..utils.transformers_private import record_split, resolve_parallel_plans
 from .comm import sum_grad_over
 from .expert_parallel import ALL_TO_ALL, PPMoEDispatcher, dispatch_all_to_all, share_router_generator
 from .modules import become, show_plan
@@ -150,7 +151,7 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
         config = DistributedConfig(
             tp_size=size, fsdp_size=ep_size // size, ep_size=ep_size, ep_implementation=ALL_TO_ALL
         )
-    tp_plan, ep_plan, _ = model._resolve_parallel_plans(config)
+    tp_plan, ep_plan, _ = resolve_parallel_plans(model, config)
     if size > 1:
         broadcast_from_first_rank(model, mesh)
     with tied_head_kept(model):
@@ -161,7 +162,7 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
             apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
             dispatch_all_to_all(model, ep)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
-    model.config.distributed_config, model._device_mesh, model._tp_size = config, mesh, size
+    record_split(model, config, mesh, size)
     return model
 
 

@@ -6,7 +6,7 @@ Every checkpoint's `trainer_state.json` (written last, when the checkpoint is co
     run_id        the run it belongs to: a fresh run draws one, a resumed run keeps its checkpoint's
     arguments     the run's TrainArguments, as JSON
     model_config  the model's config (the fields that decide its computation)
-    data          the training data's fingerprint (blocks.py: prepared, the blocks' sha256; streamed, that of the
+    data          the training data's fingerprint (block_data.py: prepared, the blocks' sha256; streamed, that of the
                   source, tokenizer, block size and shuffle buffer)
     num_processes the processes that wrote it (each has its own RNG state, and with --tp_size / --pp_size its shards)
     changes       settings changed on earlier resumes with --allow_resume_changes, and at which step

@@ -7,7 +7,7 @@ The built-in corpus is the Python language reference that every CPython installa
 A source is data files (.txt: one document per blank-line block; .jsonl / .json; .csv; .parquet; globs of shards),
 a folder written by `Dataset.save_to_disk`, a dataset name in the local `datasets` cache, or the built-in corpus.
 `documents` reads any of them as a `datasets.IterableDataset`; nothing runs code from the data (`datasets` no longer
-runs loading scripts). Tokenizing and packing into blocks is in `blocks.py`.
+runs loading scripts). Tokenizing and packing into blocks is in `block_data.py`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def train_tokenizer(texts, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
 
 def pack(texts: list[str], tokenizer, block_size: int) -> torch.Tensor:
     """Tokenize, join documents with EOS and cut into `[N, block_size]` blocks (the remainder is dropped): in memory,
-    for small lists of texts (the demo's held-out set); training data goes through `blocks.py`, which packs alike."""
+    for small lists of texts (the demo's held-out set); training data goes through `block_data.py`, which packs alike."""
     ids: list[int] = []
     for text in texts:
         ids.extend(tokenizer(text)["input_ids"])

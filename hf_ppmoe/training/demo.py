@@ -25,11 +25,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from ..conversion import merge_experts, upcycle
 from ..generation import flat_beam_search
+from ..modeling.loss import lm_loss_of
 from ..moe.layer import MoELayer
 from .arguments import TrainArguments
 from .demo_arguments import DemoArguments
@@ -62,14 +62,14 @@ def _records(root: Path, run: str) -> list[dict]:
 
 @torch.no_grad()
 def _lm_loss(model, blocks: torch.Tensor, batch_size: int) -> float:
-    """Next-token cross-entropy alone, token-weighted over `blocks` (an MoE's `loss` also carries its router losses);
-    the same quantity as the training loop's eval/loss."""
-    total = 0.0
+    """Next-token cross-entropy alone (the output's `lm_loss`: an MoE's `loss` also carries its router losses),
+    token-weighted over `blocks`; the same quantity as the training loop's eval/loss."""
+    total, tokens = 0.0, 0
     for i in range(0, len(blocks), batch_size):
         batch = blocks[i : i + batch_size]
-        logits = model(batch).logits.float()
-        total += F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum").item()
-    return total / (blocks.shape[0] * (blocks.shape[1] - 1))
+        lm_loss, count = lm_loss_of(model(batch, labels=batch), batch, causal=True)
+        total, tokens = total + lm_loss.item() * count.item(), tokens + count.item()
+    return total / tokens
 
 
 @torch.no_grad()

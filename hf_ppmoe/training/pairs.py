@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .blocks import batch_rows
+from .block_data import batch_rows
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -100,7 +100,7 @@ def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
 
 class PairData:
     """Training and validation pairs, tokenized, served by (optimizer step, micro-step) to one data-parallel process
-    (see the module docstring); the interface of `blocks.py`."""
+    (see the module docstring); the interface of `block_data.py`."""
 
     def __init__(self, train, validation, args, pad_token_id: int, rank: int = 0, world: int = 1):
         if len(train) == 0:

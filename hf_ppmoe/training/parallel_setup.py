@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import math
-import re
 
 import torch
 import torch.distributed as dist
@@ -111,17 +110,14 @@ def clip_grad_norm_(model, max_norm: float, dp: DataParallel, pipe: Pipeline | N
 
 def gather_model(model, dp: DataParallel, pipe: Pipeline | None = None):
     """The whole model on rank 0 (None elsewhere) from a split one: replica 0's state dict with every shard gathered
-    (`full_tensor`, collectives of the groups that hold it), a pipeline's stages with their layers renamed to their
-    indices in the whole model and collected on stage 0."""
+    (`full_tensor`, collectives of the groups that hold it), a pipeline's stages (whose parameters carry the whole
+    model's names, `hf_ppmoe.modeling.stages`) collected on stage 0."""
     base = pipe.module.model if pipe is not None else model
-    layers = pipe.layers[pipe.rank] if pipe is not None else None
     writer = dp.rank == 0 and dp.mesh["tp"].get_local_rank() == 0  # of its stage
     state = {}
     for name, tensor in base.state_dict().items():
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()
-        if layers is not None:
-            name = re.sub(r"^model\.layers\.(\d+)\.", lambda m: f"model.layers.{layers[int(m[1])]}.", name)
         if writer:
             state[name] = tensor.detach().cpu()
     if not writer:

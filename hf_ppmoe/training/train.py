@@ -6,7 +6,7 @@
     evaluate(run)                   LM loss and perplexity on the validation batches
     train(args)                     the loop: train_step, then log / evaluate / checkpoint at their intervals; save
 
-The data is an object (see `blocks.py`) that hands each data-parallel process its batch for (step, micro-step); with
+The data is an object (see `block_data.py`) that hands each data-parallel process its batch for (step, micro-step); with
 Accelerate's saved optimizer, scheduler and RNG states, `--resume` continues exactly where an uninterrupted run would
 be (what a checkpoint records and the checks that refuse a resume that would not: `checkpoints.py`).
 
@@ -31,23 +31,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, set_seed
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 from tqdm.auto import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, get_scheduler
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
-from ..modeling.common import router_loss_weight
-from ..moe.losses import router_loss
+from ..modeling.loss import lm_loss_of
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
 from ..utils.model_card import training_card, write_card
 from .arguments import TrainArguments
-from .blocks import load_data
+from .block_data import load_data
 from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
 from .consistency import check_processes_agree
 from .data import Source, train_tokenizer
@@ -209,7 +206,7 @@ class Run:
     model: torch.nn.Module  # what trains: the prepared model, a split model, or the pipeline stage
     optimizer: torch.optim.Optimizer
     scheduler: object
-    data: object  # see blocks.py
+    data: object  # see block_data.py
     tokenizer: object
     monitor: RouterMonitor
     jsonl: JSONLinesTracker
@@ -233,8 +230,8 @@ class Run:
 
 
 def setup(args: TrainArguments) -> Run:
-    """Everything before the first step, in the order of STYLE lesson 12: arguments, data and tokenizer, model,
-    parallelism, `accelerator.prepare`, resume."""
+    """Everything before the first step, in a fixed order: arguments, data and tokenizer, model, parallelism,
+    `accelerator.prepare`, resume."""
     args.validate()
     checkpoint = find_checkpoint(args)
     saved = read_checkpoint(checkpoint) if checkpoint else None  # its files checked before anything is built
@@ -269,7 +266,7 @@ def setup(args: TrainArguments) -> Run:
     clock = time.perf_counter()
     if seq2seq:
         data = pair_data(args, tokenizer, train_pairs, val_pairs, dp)
-    else:  # prepared once per node (the other processes map the same cache entry), or streamed: see blocks.py
+    else:  # prepared once per node (the other processes map the same cache entry), or streamed: see block_data.py
         data = load_data(args, tokenizer, dp.rank, dp.size, accelerator.local_main_process_first)
     accelerator.print(f"data: {data}, ready in {time.perf_counter() - clock:.1f} s")
     check_processes_agree(args, model)
@@ -308,20 +305,18 @@ def forward_backward_step(run: Run, batch: dict) -> torch.Tensor:
     """One micro-batch: forward and backward. Returns its detached (lm, aux, z) losses, on the device.
 
     A micro-batch whose labels hold no target (all -100: a seq2seq pair with an empty target, one-token sequences)
-    has LM loss 0, router losses weighted 0 and zero gradients (the model's loss, see `router_loss_weight`): it adds
+    has LM loss 0, router losses weighted 0 and zero gradients (the model's loss, see `model_loss`): it adds
     nothing, and is counted in the `train/no_target_batches` metric."""
     batch = {name: tensor.to(run.device) for name, tensor in batch.items()}
-    targets = batch["labels"] if run.config.is_encoder_decoder else batch["labels"][:, 1:]
-    run.no_target += ~(targets != -100).any()
-    weight = router_loss_weight(targets, batch.get("num_items_in_batch"))  # the model's weight of its router term
     with run.accelerator.autocast():
         out = run.model(**batch)
     run.accelerator.backward(out.loss)
+    lm, count = lm_loss_of(out, batch["labels"], causal=not run.config.is_encoder_decoder)
+    run.no_target += count == 0
     aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
     aux = aux.detach() if aux is not None else torch.zeros((), device=run.device)
     z = z.detach() if z is not None else torch.zeros((), device=run.device)
-    lm = out.loss.detach() - weight * router_loss(run.config, aux, z)
-    return torch.stack([lm, aux, z])
+    return torch.stack([lm.detach(), aux, z])
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -365,21 +360,24 @@ def evaluate(run: Run) -> dict:
         total_batches = int(dp.reduce(torch.tensor([len(mine)], device=run.device)).item())
         rounds = -(-total_batches // dp.size)
     total = torch.zeros(2, device=run.device)
+    causal = not run.config.is_encoder_decoder
     for r in range(rounds):
         batch = mine[r] if r < len(mine) else (mine or [spare_batch(run)])[0]  # extra forwards are not counted
         input_ids, labels = batch["input_ids"].to(run.device), batch["labels"].to(run.device)
         with run.accelerator.autocast():
-            if run.config.is_encoder_decoder:  # the decoder reads the labels shifted right
-                logits = forward(input_ids, attention_mask=batch["attention_mask"].to(run.device), labels=labels).logits
-            else:
-                logits = forward(input_ids).logits if pipe is None else pipe.forward(input_ids)
-        if logits is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
+            if pipe is not None:
+                result = pipe.lm_loss(input_ids, labels)
+            elif causal:  # no routing statistics from evaluation, as without labels
+                quiet = {"compute_router_losses": False} if isinstance(forward, GPTMoEForCausalLM) else {}
+                result = lm_loss_of(forward(input_ids, labels=labels, **quiet), labels, causal)
+            else:  # the decoder reads the labels shifted right
+                out = forward(input_ids, attention_mask=batch["attention_mask"].to(run.device), labels=labels)
+                result = lm_loss_of(out, labels, causal)
+        if result is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
             continue
-        logits = (logits.full_tensor() if isinstance(logits, DTensor) else logits).float()
-        if not run.config.is_encoder_decoder:
-            logits, labels = logits[:, :-1], labels[:, 1:]
-        total[0] += F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=-100)
-        total[1] += (labels != -100).sum()
+        lm_loss, count = result  # a mean over `count` tokens (NaN over none, in a dense model or a pipeline stage)
+        total[0] += torch.where(count > 0, lm_loss.float() * count, 0.0)
+        total[1] += count
     if pipe is not None:
         dist.all_reduce(total, group=pipe.group)
     total = dp.reduce(total)

@@ -10,16 +10,16 @@ Why a Trainer mixin rather than a callback: a `TrainerCallback` sees neither the
 values to a log entry (`Trainer.log` stores the entry in `state.log_history` and hands it to the reporting callbacks,
 TensorBoard, W&B, the progress bar, before a user's callback gets it). `Trainer.log` and `Trainer.evaluation_loop` are
 overridable for exactly this ("subclass and override to inject custom behavior"; TRL's SFTTrainer adds its metrics the
-same way), and the mixin overrides only those two. The values come from what the model returns (`loss`, `aux_loss`,
-`z_loss`) through a forward hook on the model Trainer calls (PEFT included), not from `compute_loss`: the hook sees
-the loss as the model computed it, before Trainer rescales it in place for data parallelism, and the arguments it was
-computed from (`labels`, `num_items_in_batch`), and it works under any `compute_loss` a subclass brings.
+same way), and the mixin overrides only those two. The values come from what the model returns (`lm_loss`,
+`num_target_tokens`, `aux_loss`, `z_loss`) through a forward hook on the model Trainer calls (PEFT included), not from
+`compute_loss`: the hook sees the model's fields whatever Trainer later does to `loss`, and the arguments they were
+computed from (`num_items_in_batch`), and it works under any `compute_loss` a subclass brings.
 
 What is logged, every logging step and for every evaluation (prefixed `eval_`), over all micro-batches and processes:
 - `lm_loss`: the cross-entropy per label token (no router terms); at evaluation also `perplexity` = exp(`eval_lm_loss`).
   Trainer's own `loss` / `eval_loss` is the model's loss, LM plus the weighted router losses.
 - `aux_loss`, `z_loss`: the router losses (means over the MoE layers, as in the model output), weighted by each
-  micro-batch's label tokens, as their gradient is (`hf_ppmoe.modeling.common.router_loss_weight`); with equally long
+  micro-batch's label tokens, as their gradient is (`hf_ppmoe.modeling.loss.router_loss_weight`); with equally long
   micro-batches, `loss = lm_loss + moe.losses.router_loss(config, aux_loss, z_loss)`.
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
@@ -41,8 +41,6 @@ import torch
 from transformers import Seq2SeqTrainer, Trainer
 
 from ..modeling import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
-from ..modeling.common import router_loss_weight
-from ..moe.losses import router_loss
 from .tracking import RouterMonitor
 
 
@@ -52,23 +50,18 @@ class LossMonitor:
     without a target token, on the device, until `collect()`."""
 
     def __init__(self, model: torch.nn.Module, moe_model: torch.nn.Module):
-        config = self.config = moe_model.config
-        self.shifts_labels = not config.is_encoder_decoder  # GPT-MoE predicts labels[:, 1:]
+        self.config = moe_model.config
         self.sums = None  # [cross-entropy sum, label tokens, tokens x aux, tokens x z, forwards without a target]
         self.handle = model.register_forward_hook(self._hook, with_kwargs=True)
 
     @torch.no_grad()
     def _hook(self, module, args, kwargs, output):
-        labels, loss = kwargs.get("labels"), getattr(output, "loss", None)
+        labels, lm = kwargs.get("labels"), getattr(output, "lm_loss", None)
         aux, z = getattr(output, "aux_loss", None), getattr(output, "z_loss", None)
-        if labels is None or loss is None or aux is None:
+        if labels is None or lm is None or aux is None:
             return
-        targets = kwargs.get("shift_labels", labels[..., 1:]) if self.shifts_labels else labels
-        num_items = kwargs.get("num_items_in_batch")
-        tokens = (targets != -100).sum()
-        # the model's loss: its LM loss (a mean over `tokens`, or a sum divided by num_items_in_batch) plus the router
-        # terms with the weight the model gave them; computed now, before Trainer rescales `loss` in place
-        lm = loss - router_loss_weight(targets, num_items) * router_loss(self.config, aux, z)
+        num_items, tokens = kwargs.get("num_items_in_batch"), output.num_target_tokens
+        # the model's LM loss: a mean over `tokens`, or a sum divided by num_items_in_batch
         cross_entropy = lm * (num_items if num_items is not None else tokens)
         sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z, tokens == 0]).float()
         self.sums = sums if self.sums is None else self.sums + sums.to(self.sums.device)

@@ -23,7 +23,7 @@ from transformers import (
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe_cli import main
 from hf_ppmoe.conversion import ConversionError, export_moe, export_reasons, import_moe, merge_experts, upcycle
-from hf_ppmoe.modeling.common import write_custom_generate
+from hf_ppmoe.modeling.hub_io import write_custom_generate
 
 VOCAB = 97
 LLAMA = dict(router_z_loss_coef=0.0)  # GPT-MoE defaults are Llama-style: rotary, RMSNorm, gated, no biases

@@ -78,12 +78,12 @@ def test_hub_source_becomes_base_model_and_its_readme_is_kept(dense, tmp_path, m
 
 def test_a_failing_card_leaves_no_output(dense, tmp_path, monkeypatch):
     _, folder = dense("gpt2")
-    import hf_ppmoe.conversion.pipeline as pipeline
+    import hf_ppmoe.conversion.delivery as delivery
 
     def broken(*args, **kwargs):
         raise RuntimeError("card failed")
 
-    monkeypatch.setattr(pipeline, "conversion_card", broken)
+    monkeypatch.setattr(delivery, "conversion_card", broken)
     with pytest.raises(RuntimeError, match="card failed"):
         upcycle(folder, num_experts=2, save_directory=tmp_path / "moe")
     assert not (tmp_path / "moe").exists()

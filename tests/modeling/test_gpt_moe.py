@@ -10,7 +10,7 @@ from helpers import GPT2_STYLE, tiny_gpt_config
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments, pipeline
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
-from hf_ppmoe.modeling.common import routing_token_mask
+from hf_ppmoe.modeling.inputs import routing_token_mask
 
 STYLES = {"llama": dict(), "gpt2": GPT2_STYLE}
 GATES = {

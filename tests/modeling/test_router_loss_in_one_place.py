@@ -24,3 +24,22 @@ def test_router_loss_formula_is_only_in_moe_losses():
     ]
     assert not places, "the router-loss sum written outside moe/losses.py (use router_loss):\n" + "\n".join(places)
     assert PRODUCT.search((PACKAGE / "moe" / "losses.py").read_text())  # the pattern finds the one place
+
+
+# a subtraction whose right-hand side holds a router loss: `loss - weight * router_loss(...)`, `lm - coef * aux_loss`
+SUBTRACTION = re.compile(r"\s-\s[^#\n]*\b(router_loss|router_loss_weight|\w*aux_loss|\w*z_loss)\b")
+
+
+def test_no_consumer_subtracts_the_router_term():
+    """The model outputs carry `lm_loss` and `num_target_tokens` beside `loss` (`hf_ppmoe.modeling.loss`): no module of
+    the package or the benchmarks gets the LM loss back by subtracting the router term."""
+    sources = [*PACKAGE.rglob("*.py"), *(PACKAGE.parent / "benchmarks").rglob("*.py")]
+    places = [
+        f"{path}:{number}: {line.strip()}"
+        for path in sources
+        if path.name != "megatron_plugin.py"
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if SUBTRACTION.search(line.split("#")[0])
+    ]
+    assert not places, "the LM loss recovered by subtracting the router term (read `lm_loss`):\n" + "\n".join(places)
+    assert SUBTRACTION.search("    lm = out.loss.detach() - weight * router_loss(run.config, aux, z)")

@@ -9,7 +9,8 @@ from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config
 from torch.distributed.tensor import DTensor
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
-from hf_ppmoe.modeling.common import router_loss_weight
+from hf_ppmoe.modeling.loss import lm_targets, num_target_tokens
+from hf_ppmoe.modeling.stages import is_held
 from hf_ppmoe.moe.losses import router_loss
 from hf_ppmoe.parallel import Pipeline, count_collectives
 
@@ -151,15 +152,12 @@ def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2, layers=2):
     ref, model = build(**settings), build(**settings)
     pipe = Pipeline(model, pp, num_microbatches=microbatches, schedule=schedule, tp=tp)
     stage = pipe.module.model
-    # a stage's layer i is the model's layer layer_idx (its attention knows it)
+    # a stage's layers keep their index in the whole model (its attention knows it too)
     stacks = [(n, m) for n, m in stage.named_modules() if n.endswith("layers") and isinstance(m, torch.nn.ModuleList)]
-    original = {f"{n}.{i}.": f"{n}.{layer.self_attn.layer_idx}." for n, m in stacks for i, layer in enumerate(m)}
+    assert all(layer.self_attn.layer_idx == i for _, m in stacks for i, layer in enumerate(m) if is_held(layer))
     ref_names = dict(ref.named_parameters())
 
     def name_of(name):
-        for local, index in original.items():
-            if name.startswith(local):
-                return index + name[len(local) :]
         # a head tied to the embeddings
         return name if name in ref_names else ("model.shared.weight" if seq2seq else "model.embed_tokens.weight")
 
@@ -180,16 +178,12 @@ def run_pipeline(schedule, style, pp, tp, microbatches=2, steps=2, layers=2):
 def accumulate(ref, ids, mask, labels, microbatches):
     """Single-process gradient accumulation: token-summed LM loss / the batch's label tokens, plus the mean of the
     microbatches' router losses (what `Pipeline` documents)."""
-    # a causal LM predicts token t+1 at position t, an encoder-decoder every label
-    num_tokens = ((labels if ref.config.is_encoder_decoder else labels[:, 1:]) != -100).sum()
+    num_tokens = num_target_tokens(lm_targets(labels, causal=not ref.config.is_encoder_decoder))
     total = 0.0
     for chunk in zip(*(t.chunk(microbatches) for t in (ids, mask, labels))):
         out = ref(input_ids=chunk[0], attention_mask=chunk[1], labels=chunk[2], num_items_in_batch=num_tokens)
-        config = ref.config
-        router = router_loss(config, out.aux_loss, out.z_loss)
         # the model weighs its router losses by the chunk's share of the label tokens; the pipeline takes their mean
-        share = router_loss_weight(chunk[2] if config.is_encoder_decoder else chunk[2][:, 1:], num_tokens)
-        loss = out.loss - share * router + router / microbatches
+        loss = out.lm_loss + router_loss(ref.config, out.aux_loss, out.z_loss) / microbatches
         loss.backward()
         total += loss.item()
     return total

@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import tmp_dir
-from equivalence import ATOL, LLAMA, QWEN3, SEQ2SEQ_PIPELINE, batch, run_pipeline, save_checkpoint
+from equivalence import ATOL, LLAMA, QWEN3, SEQ2SEQ_PIPELINE, batch, build, run_pipeline, save_checkpoint
 from helpers import GPT2_STYLE
 
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
-from hf_ppmoe.parallel import make_mesh, split_layers
+from hf_ppmoe.modeling.stages import LayerOfAnotherStage, is_held
+from hf_ppmoe.parallel import GPTMoEStage, Seq2SeqMoEStage, make_mesh, split_layers
 
 STYLES = {"llama": LLAMA, "gpt2": GPT2_STYLE, "qwen3": QWEN3, "seq2seq": SEQ2SEQ_PIPELINE}
 
@@ -107,3 +108,21 @@ def test_split_layers():
     assert split_layers(4, 2) == [range(0, 2), range(2, 4)]
     with pytest.raises(ValueError, match="at least as many layers"):
         split_layers(2, 3)
+
+
+@pytest.mark.parametrize("seq2seq", [False, True], ids=["gpt", "seq2seq"])
+def test_a_stage_keeps_the_whole_models_names_and_no_forward_of_its_own(seq2seq):
+    """Issue 30: a stage is the model itself, cut by `hf_ppmoe.modeling.stages` (the cut Transformers' pp_size path gets
+    too): its parameters are the whole model's under the same names (no renaming when gathering), and the layers of
+    other stages are pass-through stand-ins at their index."""
+    whole = build(seq2seq=seq2seq, num_hidden_layers=4, **({"num_decoder_layers": 2} if seq2seq else {}))
+    cut = build(seq2seq=seq2seq, num_hidden_layers=4, **({"num_decoder_layers": 2} if seq2seq else {}))
+    stage_class = Seq2SeqMoEStage if seq2seq else GPTMoEStage
+    stage = stage_class(cut, range(2, 4), is_first=False, is_last=False, num_microbatches=1)
+    params, reference = dict(stage.model.named_parameters()), dict(whole.named_parameters())
+    prefix = "model.encoder.layers" if seq2seq else "model.layers"
+    assert {n[len(prefix) + 1 :].split(".")[0] for n in params if n.startswith(prefix + ".")} == {"2", "3"}
+    assert all(torch.equal(p, reference[n]) for n, p in params.items())
+    layers = stage.model.model.encoder.layers if seq2seq else stage.model.model.layers
+    assert [is_held(layer) for layer in layers] == [False, False, True, True]
+    assert all(isinstance(layers[i], LayerOfAnotherStage) for i in (0, 1))

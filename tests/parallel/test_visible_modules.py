@@ -1,5 +1,4 @@
-"""Parallelism applied in the open: `print(model)` after tensor / expert parallelism shows the modules that run, and
-hf_ppmoe's modules import each other without a cycle.
+"""Parallelism applied in the open: `print(model)` after tensor / expert parallelism shows the modules that run.
 
 The multi-process checks run their own bodies under torchrun (2 ranks, gloo) and fail at their own assert."""
 
@@ -20,46 +19,6 @@ def launch(body: str, *args: str) -> None:
 
 def test_repr_shows_tensor_and_expert_parallel_modules():
     launch("visible_modules")
-
-
-def _relative_imports(path: Path, package: str) -> set[str]:
-    """The hf_ppmoe modules `path` imports (relative imports, at any depth of the file)."""
-    imported = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-            target = f"{base}.{node.module}" if node.module else base
-            imported.add(target)
-            imported.update(f"{target}.{alias.name}" for alias in node.names)  # `from . import expert_parallel`
-    return imported
-
-
-def test_no_import_cycle():
-    modules = {}
-    for path in (ROOT / "hf_ppmoe").rglob("*.py"):
-        name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-        package = name.rsplit(".", 1)[0] if path.name != "__init__.py" else name.removesuffix(".__init__")
-        modules[name.removesuffix(".__init__")] = (path, package)
-    graph = {
-        name: {m for m in _relative_imports(path, package) if m in modules and m != name}
-        for name, (path, package) in modules.items()
-        if not name.endswith("__init__") and path.name != "__init__.py"  # a package's face only hands names on
-    }
-    for name in list(graph):
-        graph[name] = {m for m in graph[name] if m in graph}
-    state: dict[str, int] = {}
-
-    def visit(name, trail):
-        state[name] = 1
-        for target in sorted(graph[name]):
-            assert state.get(target) != 1, "import cycle: " + " -> ".join([*trail, name, target])
-            if target not in state:
-                visit(target, [*trail, name])
-        state[name] = 2
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [])
 
 
 # ---- the body, run under torchrun ----

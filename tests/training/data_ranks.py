@@ -9,7 +9,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from hf_ppmoe.training import TrainArguments, blocks
+from hf_ppmoe.training import TrainArguments, block_data as blocks
 from hf_ppmoe.training.data import builtin_corpus, train_tokenizer
 
 shards, out = Path(sys.argv[1]), Path(sys.argv[2])

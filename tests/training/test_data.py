@@ -1,4 +1,4 @@
-"""The training data path (hf_ppmoe.training.blocks / data): every source kind gives the blocks of packing its
+"""The training data path (hf_ppmoe.training.block_data / data): every source kind gives the blocks of packing its
 documents; prepared once and reused from the cache; no trusted cache entry after a kill while preparing; same seed
 same batches; ranks' batches disjoint and together one process's (also across 2 processes, tokenized once per node);
 a streamed run resumed after a kill reads exactly the uninterrupted batches; bad data named by file and line."""
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hf_ppmoe.training import TrainArguments, main
-from hf_ppmoe.training import blocks as blocks_module
-from hf_ppmoe.training.blocks import load_data, tokenize
+from hf_ppmoe.training import block_data as blocks_module
+from hf_ppmoe.training.block_data import load_data, tokenize
 from hf_ppmoe.training.data import builtin_corpus, pack, train_tokenizer
 from hf_ppmoe.training.tracking import read_jsonl
 from helpers import KILLED_AFTER_STEP_5
@@ -111,7 +111,7 @@ def test_same_seed_same_batches_and_ranks_split_one_process(shards, tokenizer, t
 
 PREPARE_AND_DIE = """
 import os, signal, sys
-from hf_ppmoe.training import TrainArguments, blocks
+from hf_ppmoe.training import TrainArguments, block_data as blocks
 from hf_ppmoe.training.data import builtin_corpus, train_tokenizer
 
 tokenize, calls = blocks.tokenize, []

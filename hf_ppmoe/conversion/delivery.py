@@ -87,7 +87,8 @@ def deliver(
 
 
 def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer, conversion) -> Path:
-    from ..modeling.common import MoEPreTrainedModel, add_remote_code, write_custom_generate
+    from ..modeling.common import MoEPreTrainedModel
+    from ..modeling.hub_io import add_remote_code, write_custom_generate
 
     config.architectures = [model_class.__name__]
     with atomic_folder(target, overwrite=overwrite) as folder:

@@ -1,0 +1,82 @@
+"""Every use of Transformers' private API in hf_ppmoe, behind one small adapter: what to re-check when Transformers
+changes. Checked against transformers 5.24 (`TRANSFORMERS_CHECKED`).
+
+- `PrivateHooks`: overrides of two private hooks of `PreTrainedModel`, `_resolve_parallel_plans` and
+  `_load_pretrained_model`, which hand over to public methods of our model class (`keep_own_plan_rules`,
+  `load_guarded`).
+- the instance plans `_tp_plan` / `_ep_plan` (`restrict_instance_plans`), the split records `_device_mesh` /
+  `_tp_size` (`record_split`, `device_mesh_of`), the pipeline stage `_pp_stage` (`is_first_pipeline_stage`), the
+  output-recorder registry `_CAN_RECORD_REGISTRY` (`register_output_recorders`), `config._attn_implementation`
+  (`attention_implementation`), and the expert-parallel marker `_is_expert_parallel` (`mark_expert_parallel`).
+
+Not routed through here: the class attribute `_tp_plan` of a task head (the documented way a Transformers model file
+declares its head's rule), and `generation/flat_beam_search.py`, which is written into checkpoints as a
+self-contained `custom_generate` file and so reads `config._attn_implementation` itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
+TRANSFORMERS_CHECKED = "5.24"
+
+
+class PrivateHooks:
+    """Put before `PreTrainedModel` in a model base class's bases; the class defines `keep_own_plan_rules(plans)` and
+    `load_guarded(checkpoint_files, source, subfolder, load)`."""
+
+    def _resolve_parallel_plans(self, distributed_config):
+        return self.keep_own_plan_rules(super()._resolve_parallel_plans(distributed_config))
+
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        def load():
+            return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
+
+        subfolder = (load_config.download_kwargs or {}).get("subfolder") or ""
+        return model.load_guarded(checkpoint_files, load_config.pretrained_model_name_or_path, subfolder, load)
+
+
+def resolve_parallel_plans(model: PreTrainedModel, distributed_config) -> tuple:
+    """(tp plan, ep plan, ...) as `from_pretrained(distributed_config=...)` resolves them for `model`."""
+    return model._resolve_parallel_plans(distributed_config)
+
+
+def restrict_instance_plans(model: PreTrainedModel, keep: Callable[[str], bool]) -> None:
+    """Keeps the rules of the model's merged tp / ep plans whose key `keep` accepts."""
+    model._tp_plan = {key: style for key, style in model._tp_plan.items() if keep(key)}
+    model._ep_plan = {key: style for key, style in model._ep_plan.items() if keep(key)}
+
+
+def record_split(model: PreTrainedModel, distributed_config, mesh, tp_size: int) -> None:
+    """What `from_pretrained(distributed_config=...)` records on a split model, so `save_pretrained` gathers it."""
+    model.config.distributed_config, model._device_mesh, model._tp_size = distributed_config, mesh, tp_size
+
+
+def device_mesh_of(model: PreTrainedModel):
+    """The mesh the model was split over (`record_split`, or `from_pretrained(distributed_config=...)`), else None."""
+    return getattr(model, "_device_mesh", None)
+
+
+def is_first_pipeline_stage(model: PreTrainedModel) -> bool:
+    """Under Transformers' pipeline parallelism: whether this rank holds the model's first stage."""
+    return model._pp_stage.pp_is_first_stage
+
+
+def register_output_recorders(module: nn.Module, recorders: dict) -> None:
+    """Where Transformers' output hooks look a module's recorders up (`PreTrainedModel.__init__` does the same)."""
+    _CAN_RECORD_REGISTRY[module] = recorders
+
+
+def attention_implementation(config) -> str:
+    """The attention implementation a model was built or set with ("eager", "sdpa", ...)."""
+    return config._attn_implementation
+
+
+def mark_expert_parallel(module: nn.Module) -> None:
+    """Tells Transformers' expert-parallel code that `module` holds the experts of an expert-parallel layer."""
+    module._is_expert_parallel = True
