@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from .utils.arguments import parse_arguments
+from .utils.command_line import parse_arguments
 
 
 def run(command: str, rest: list[str], description: str | None = None) -> int:

@@ -91,26 +91,8 @@ def test_the_cycle_check_covers_every_top_level_package():
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
 
 
-KNOWN = [
-    ["hf_ppmoe.cli", "hf_ppmoe_cli", "hf_ppmoe.cli"],
-    ["hf_ppmoe.cli", "hf_ppmoe.conversion.commands", "hf_ppmoe.conversion.megatron_checkpoint", "hf_ppmoe.conversion.commands"],
-]
-
-
-def test_no_import_cycle_but_the_known_one():
-    """No import cycle in hf_ppmoe or across the top-level packages, but the known ones (the `hf-ppmoe` launcher and
-    hf_ppmoe.cli; conversion/commands.py and megatron_checkpoint.py importing each other lazily), which
-    `test_no_import_cycle` expects to fail until they are gone."""
-    assert [c for c in _cycles(_module_graph()) if c not in KNOWN] == []
-
-
-@pytest.mark.xfail(
-    strict=True,
-    reason="hf_ppmoe/cli.py imports the launcher hf_ppmoe_cli (COMMANDS, main), which imports hf_ppmoe.cli.run back; "
-    "conversion/commands.py imports megatron_checkpoint.py lazily and megatron_checkpoint.main imports "
-    "commands.megatron_main back; to be cut in those files -- then drop this marker and KNOWN",
-)
 def test_no_import_cycle():
+    """No import cycle in hf_ppmoe or across the top-level packages (absolute, relative and in-function imports)."""
     assert _cycles(_module_graph()) == []
 
 
@@ -124,12 +106,7 @@ def test_no_two_modules_of_one_name():
         for path in (ROOT / top).rglob("*.py"):
             names[path.name].append(str(path.relative_to(ROOT)))
     twice = {name: sorted(paths) for name, paths in names.items() if len(paths) > 1 and name not in SAME_KIND}
-    assert twice == KNOWN_TWICE, "two modules of one name in different packages: " + repr(twice)
-
-
-# left until it is renamed (training/arguments.py: the training run's arguments; utils/arguments.py: the CLI parser
-# style both use; both are being reworked for issue 31)
-KNOWN_TWICE = {"arguments.py": ["hf_ppmoe/training/arguments.py", "hf_ppmoe/utils/arguments.py"]}
+    assert twice == {}, "two modules of one name in different packages: " + repr(twice)
 
 
 # files a comment may not point at: they are not in the repository

@@ -235,7 +235,7 @@ MEGATRON_COMMANDS = {
 def megatron_main(argv=None, prog: str = "hf-ppmoe megatron") -> int:
     """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG`. Bad flags and refusals
     end as one `PROG: error: ...` line with exit code 2 (SystemExit, as argparse's own errors)."""
-    from ..utils.arguments import parse_arguments
+    from ..utils.command_line import parse_arguments
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] not in MEGATRON_COMMANDS:

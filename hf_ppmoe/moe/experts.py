@@ -36,6 +36,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ExpertsInterface
 
+from ..utils.transformers_private import mark_expert_parallel
 from .kernels import aligned, autocast_dtype, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
 from .routing import capacity_for, group_size_for, positions_in_expert
 
@@ -91,7 +92,7 @@ class Experts(nn.Module):
         self.is_transposed = False
         self.is_concatenated = True
         self.has_post_expert_norm = False
-        self._is_expert_parallel = True
+        mark_expert_parallel(self)
 
     def extra_repr(self) -> str:
         return (

@@ -2,7 +2,7 @@
 
 import sys
 
-from ..utils.arguments import parse_arguments
+from ..utils.command_line import parse_arguments
 from .arguments import TrainArguments
 
 

@@ -28,7 +28,7 @@ class TrainArguments:
     expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
 
-    # ---- data (blocks.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
+    # ---- data (block_data.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
     train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet."})
     validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train)."})
     validation_split_percentage: int = field(default=5, metadata={"help": "Without --validation_file: the last N%% of the training blocks (with --streaming: the documents whose CRC-32 %% 100 < N) are held out."})

@@ -1,5 +1,5 @@
 """The one check of every path a command takes, run on the parsed flags before any work (see
-`utils.arguments.parse_arguments`): an argument dataclass names the kind of each path field in a class attribute,
+`utils.command_line.parse_arguments`): an argument dataclass names the kind of each path field in a class attribute,
 `PATHS: ClassVar[dict] = {"output_dir": "output_folder", "resume": ("input_folder", ("latest",))}` (a kind, or a
 kind and the words that field takes that are not paths; subclasses add theirs), so the dataclass stays one that
 Transformers' `HfArgumentParser` takes as it is; a wrong path ends as one `PROG: error: ...` line with exit code 2,
