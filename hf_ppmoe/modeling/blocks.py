@@ -89,7 +89,7 @@ class MoETransformerLayer(GradientCheckpointingLayer):
         encoder_attention_mask=None,
         cache=None,
         token_mask=None,
-        compute_router_losses=True,
+        compute_router_losses=None,
         **kwargs,
     ) -> tuple:
         """hidden_states [B, L, H] -> `layer_outputs` (hidden_states, aux_loss, z_loss).

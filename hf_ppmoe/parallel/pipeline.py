@@ -130,9 +130,7 @@ class GPTMoEStage(_Stage):
         if not self.is_first:
             self._received(x)
         inputs = {"input_ids": x} if self.is_first else {"inputs_embeds": x}
-        out = self.model.model(
-            **inputs, attention_mask=attention_mask, use_cache=False, compute_router_losses=torch.is_grad_enabled()
-        )
+        out = self.model.model(**inputs, attention_mask=attention_mask, use_cache=False)  # losses: with gradients
         hidden = self._with_router_loss(out.last_hidden_state, [(out, self.moe_here)])
         return self.model.lm_head(hidden) if self.is_last else hidden
 
