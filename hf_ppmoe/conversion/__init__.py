@@ -12,7 +12,7 @@ Names load on first use (module `__getattr__`): `hf-ppmoe upcycle|merge|import|e
 errors print before torch is imported (commands.py and choices.py need only the standard library).
 """
 
-import importlib
+from ..utils.lazy import lazy_names
 
 _NAMES = {
     "ARCHITECTURES": "architectures", "Architecture": "architectures", "get_architecture": "architectures",
@@ -27,13 +27,4 @@ _NAMES = {
 __all__ = sorted(_NAMES)
 
 
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_names(__name__, _NAMES)

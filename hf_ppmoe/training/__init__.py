@@ -4,7 +4,7 @@
 Names load on first use (module `__getattr__`): `--help` and argument errors of the command print before torch is
 imported (the arguments need only the standard library)."""
 
-import importlib
+from ..utils.lazy import lazy_names
 
 _NAMES = {"TrainArguments": "arguments", "main": "train", "MoESeq2SeqTrainer": "trainer", "MoETrainer": "trainer",
           "MoETrainerMixin": "trainer"}
@@ -12,13 +12,4 @@ _NAMES = {"TrainArguments": "arguments", "main": "train", "MoESeq2SeqTrainer": "
 __all__ = ["MoESeq2SeqTrainer", "MoETrainer", "MoETrainerMixin", "TrainArguments", "main"]
 
 
-def __getattr__(name: str):
-    if name in _NAMES:
-        value = getattr(importlib.import_module(f".{_NAMES[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_NAMES))
+__getattr__, __dir__ = lazy_names(__name__, _NAMES)
