@@ -151,13 +151,25 @@ _FSDP_REFUSED = {
 }
 
 
+# Accelerate's FSDP options that FSDP2 built this way serves by construction: named in the run's line, with why
+_FSDP_BY_CONSTRUCTION = {
+    "FSDP_USE_ORIG_PARAMS": "FSDP2 always trains the original parameters",
+    "FSDP_SYNC_MODULE_STATES": "the model is built alike on every process (the first rank's weights broadcast)",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "every process loads the checkpoint itself",
+    "FSDP_MIN_NUM_PARAMS": "each decoder layer is one FSDP group",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "each decoder layer is one FSDP group",
+    "FSDP_STATE_DICT_TYPE": "checkpoints are sharded torch.distributed.checkpoint files, the final model is gathered",
+    "FSDP_VERSION": "FSDP2 (fully_shard) is what hf_ppmoe.training shards with",
+}
+
+
 def accelerate_fsdp_request(args: TrainArguments, world_size: int) -> str | None:
     """Map Accelerate's FSDP request (`accelerate launch --use_fsdp`, ACCELERATE_USE_FSDP=true) onto our sharding
     (`--fsdp_size`, `--fsdp_reshard_after_forward`), or refuse what cannot be mapped (ValueError: one line naming
     the option and what to do); returns the line that says what was done. The variable is then cleared: Accelerate's
     own FSDP wrapper never sees our model (parallel_setup shards it with FSDP2). Options about FSDP1 or about loading
-    (use_orig_params, sync_module_states, cpu_ram_efficient_loading, min_num_params, state_dict_type) do not apply:
-    FSDP2 keeps the original parameters, and every process builds the same model (same seed or checkpoint)."""
+    (use_orig_params, sync_module_states, cpu_ram_efficient_loading, min_num_params, state_dict_type, ...) are
+    served by construction; the line names each one that was given and why (`_FSDP_BY_CONSTRUCTION`)."""
     if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return None
     for name, (accepted, why, fix) in _FSDP_REFUSED.items():
@@ -177,11 +189,14 @@ def accelerate_fsdp_request(args: TrainArguments, world_size: int) -> str | None
         raise ValueError(f"accelerate launch --fsdp_reshard_after_forward {reshard.lower()}: use true or false.")
     kept = "" if args.fsdp_reshard_after_forward else (
         ", each layer's gathered parameters kept from its forward to its backward (reshard_after_forward=False)")
+    given = [f"{name.lower().removeprefix('fsdp_')}={os.environ[name]} ({why})"
+             for name, why in _FSDP_BY_CONSTRUCTION.items() if os.environ.get(name, "").strip()]
+    kept += "; as given: " + "; ".join(given) if given else ""
     split = args.tp_size * args.pp_size
     if args.fsdp_size > 1:
         return f"Accelerate's FSDP request ({strategy}) is served by --fsdp_size {args.fsdp_size} (FSDP2){kept}."
     if strategy == "NO_SHARD":
-        return "Accelerate's FSDP request with NO_SHARD: plain data parallelism (nothing is sharded)."
+        return f"Accelerate's FSDP request with NO_SHARD: plain data parallelism (nothing is sharded){kept}."
     if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
         size = world_size // split
     elif strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):

@@ -92,6 +92,21 @@ def test_accelerates_fsdp_request_is_mapped_onto_fsdp_size(monkeypatch, env, wor
     assert "ACCELERATE_USE_FSDP" not in os.environ  # Accelerate's own FSDP wrapper never sees the model
 
 
+def test_every_other_accelerate_fsdp_option_is_named_in_the_runs_line(monkeypatch):
+    """Issue 31: no Accelerate FSDP option is dropped without a word; those FSDP2 serves by construction are named."""
+    for name in ("FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    given = {"ACCELERATE_USE_FSDP": "true", "FSDP_USE_ORIG_PARAMS": "true", "FSDP_SYNC_MODULE_STATES": "true",
+             "FSDP_CPU_RAM_EFFICIENT_LOADING": "true", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+             "FSDP_TRANSFORMER_CLS_TO_WRAP": "GPTMoEDecoderLayer", "FSDP_MIN_NUM_PARAMS": "0", "FSDP_VERSION": "2"}
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    note = accelerate_fsdp_request(TrainArguments(), 2)
+    for name, value in given.items():
+        if name != "ACCELERATE_USE_FSDP":
+            assert f"{name.lower().removeprefix('fsdp_')}={value} (" in note, (name, note)
+
+
 def test_an_fsdp_strategy_that_cannot_be_mapped_is_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_EVERYTHING")
