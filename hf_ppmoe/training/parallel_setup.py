@@ -1,6 +1,7 @@
 """How `python -m hf_ppmoe.training` splits the model over its processes (all of it from hf_ppmoe.parallel): which
 processes read which data (`DataParallel`), the split (`split_model`), the gradient norm over the split
-(`clip_grad_norm_`) and the whole model gathered for saving (`gather_model`).
+(`clip_grad_norm_`), the whole model gathered for saving (`gather_model`), and Accelerate's FSDP request mapped onto
+these flags or refused (`accelerate_fsdp_request`).
 
 WORLD_SIZE = replicas x fsdp_size x pp_size x tp_size, on a (dp, fsdp, pp, tp) mesh (tp innermost):
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -133,3 +135,84 @@ def gather_model(model, dp: DataParallel, pipe: Pipeline | None = None):
     whole = (AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM).from_config(config)
     whole.load_state_dict(state)
     return whole
+
+
+# Accelerate's FSDP options (`accelerate launch --fsdp_*`, as the variables it sets) that we cannot honour: refused
+# when given a value other than the one that matches what we do. Each: variable -> (accepted values, why, what to do).
+_OFF = ("", "false", "0", "no", "off")
+_FSDP_REFUSED = {
+    "FSDP_OFFLOAD_PARAMS": (_OFF, "CPU offload of parameters (FSDP2's CPUOffloadPolicy) is not wired into "
+                            "hf_ppmoe.training", "shard over more processes (--fsdp_size) instead"),
+    "FSDP_ACTIVATION_CHECKPOINTING": (_OFF, "activation checkpointing is not available in hf_ppmoe.training",
+                                      "use more processes or a smaller --per_device_train_batch_size"),
+    "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD": (_OFF, "activation offload is not available in hf_ppmoe.training",
+                                              "drop it"),
+    "FSDP_FORWARD_PREFETCH": (_OFF, "explicit forward prefetching is not set by hf_ppmoe.training (FSDP2 "
+                              "prefetches the next layer's all-gather itself)", "drop it"),
+    "FSDP_BACKWARD_PREFETCH": (("", "backward_pre"), "FSDP2 always prefetches before the backward (BACKWARD_PRE)",
+                               "use BACKWARD_PRE or drop it"),
+    "FSDP_AUTO_WRAP_POLICY": (("", "transformer_based_wrap"), "hf_ppmoe.training shards each decoder layer (and the "
+                              "experts) as one FSDP2 unit, Accelerate's TRANSFORMER_BASED_WRAP", "use "
+                              "TRANSFORMER_BASED_WRAP or drop it"),
+    "FSDP_IGNORED_MODULES": (("",), "every module is sharded by hf_ppmoe.training", "drop it"),
+}
+
+
+# Accelerate's FSDP options that FSDP2 built this way serves by construction: named in the run's line, with why
+_FSDP_BY_CONSTRUCTION = {
+    "FSDP_USE_ORIG_PARAMS": "FSDP2 always trains the original parameters",
+    "FSDP_SYNC_MODULE_STATES": "the model is built alike on every process (the first rank's weights broadcast)",
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": "every process loads the checkpoint itself",
+    "FSDP_MIN_NUM_PARAMS": "each decoder layer is one FSDP group",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "each decoder layer is one FSDP group",
+    "FSDP_STATE_DICT_TYPE": "checkpoints are sharded torch.distributed.checkpoint files, the final model is gathered",
+    "FSDP_VERSION": "FSDP2 (fully_shard) is what hf_ppmoe.training shards with",
+}
+
+
+def accelerate_fsdp_request(args, world_size: int) -> str | None:
+    """Map Accelerate's FSDP request (`accelerate launch --use_fsdp`, ACCELERATE_USE_FSDP=true) onto our sharding
+    (`--fsdp_size`, `--fsdp_reshard_after_forward`), or refuse what cannot be mapped (ValueError: one line naming
+    the option and what to do); returns the line that says what was done. The variable is then cleared: Accelerate's
+    own FSDP wrapper never sees our model (parallel_setup shards it with FSDP2). Options about FSDP1 or about loading
+    (use_orig_params, sync_module_states, cpu_ram_efficient_loading, min_num_params, state_dict_type, ...) are
+    served by construction; the line names each one that was given and why (`_FSDP_BY_CONSTRUCTION`)."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    for name, (accepted, why, fix) in _FSDP_REFUSED.items():
+        value = os.environ.get(name, "").strip()
+        if value.lower() not in accepted:
+            flag = "--" + name.lower()
+            raise ValueError(f"accelerate launch {flag} {value}: {why}; {fix}.")
+    os.environ.pop("ACCELERATE_USE_FSDP")
+    strategy = os.environ.get("FSDP_SHARDING_STRATEGY", "FULL_SHARD").upper()
+    strategy = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                "5": "HYBRID_SHARD_ZERO2"}.get(strategy, strategy)
+    # FSDP2's form of the same request: --fsdp_reshard_after_forward false (or a strategy name)
+    reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").upper()
+    if reshard in ("FALSE", "0", "SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2") or strategy in ("SHARD_GRAD_OP", "HYBRID_SHARD_ZERO2"):
+        args.fsdp_reshard_after_forward = False
+    elif reshard not in ("TRUE", "1", "FULL_SHARD", "HYBRID_SHARD", "NO_SHARD"):
+        raise ValueError(f"accelerate launch --fsdp_reshard_after_forward {reshard.lower()}: use true or false.")
+    kept = "" if args.fsdp_reshard_after_forward else (
+        ", each layer's gathered parameters kept from its forward to its backward (reshard_after_forward=False)")
+    given = [f"{name.lower().removeprefix('fsdp_')}={os.environ[name]} ({why})"
+             for name, why in _FSDP_BY_CONSTRUCTION.items() if os.environ.get(name, "").strip()]
+    kept += "; as given: " + "; ".join(given) if given else ""
+    split = args.tp_size * args.pp_size
+    if args.fsdp_size > 1:
+        return f"Accelerate's FSDP request ({strategy}) is served by --fsdp_size {args.fsdp_size} (FSDP2){kept}."
+    if strategy == "NO_SHARD":
+        return f"Accelerate's FSDP request with NO_SHARD: plain data parallelism (nothing is sharded){kept}."
+    if strategy in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        size = world_size // split
+    elif strategy in ("HYBRID_SHARD", "HYBRID_SHARD_ZERO2"):
+        size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) // split
+    else:
+        raise ValueError(
+            f"Accelerate's FSDP sharding strategy {strategy} is not known to python -m hf_ppmoe.training: use "
+            "FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, HYBRID_SHARD_ZERO2 or NO_SHARD, or pass --fsdp_size N yourself."
+        )
+    args.fsdp_size = max(size, 1)
+    return (f"Accelerate's FSDP request ({strategy}) mapped onto --fsdp_size {args.fsdp_size}: parameters, gradients "
+            f"and AdamW state sharded with FSDP2 over that many processes{kept}.")

@@ -10,7 +10,8 @@ import torch
 from hf_ppmoe import GPTMoEConfig
 from hf_ppmoe.training import TrainArguments
 from hf_ppmoe.training.data import builtin_corpus
-from hf_ppmoe.training.train import accelerate_fsdp_request, evaluate, forward_backward_step, setup, train_step
+from hf_ppmoe.training.parallel_setup import accelerate_fsdp_request
+from hf_ppmoe.training.train import evaluate, forward_backward_step, setup, train_step
 
 
 @pytest.fixture(scope="module")
