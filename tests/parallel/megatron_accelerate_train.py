@@ -51,6 +51,7 @@ def main(work: str) -> None:
     if accelerator.is_main_process:
         with open(f"{work}/losses.json", "w") as f:
             json.dump(losses, f)
+    accelerator.end_training()  # destroys the process group before interpreter exit
 
 
 if __name__ == "__main__":

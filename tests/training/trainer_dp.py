@@ -24,3 +24,7 @@ if __name__ == "__main__":
         trained, log = one_step(model, data, work / name, **overrides)
         if torch.distributed.get_rank() == 0:
             torch.save({"state_dict": trained.state_dict(), "log": log}, work / f"{name}.pt")
+    # left to interpreter exit, the gloo group's threads can be torn down while still joinable ("terminate called
+    # without an active exception": an aborted rank, seen once in CI), so every rank leaves together and destroys it
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
