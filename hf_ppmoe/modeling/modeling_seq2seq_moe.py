@@ -172,7 +172,8 @@ class Seq2SeqMoEDecoderLayer(MoETransformerLayer):
 
 class Seq2SeqMoEStack(nn.Module):
     """What the encoder and the decoder share: the (tied) token embedding, one relative position bias table, the
-    layers, the final norm, and the recording of their outputs (`_can_record_outputs`, `capture_moe_outputs`)."""
+    layers, the final norm, and the recording of their outputs (`_can_record_outputs`, `capture_moe_outputs`). A
+    pipeline stage holding part of a stack keeps this forward (`hf_ppmoe.modeling.stages.cut_stack`)."""
 
     bidirectional = True
     _can_record_outputs: dict = {}
@@ -184,7 +185,8 @@ class Seq2SeqMoEStack(nn.Module):
         self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
         self.layers = nn.ModuleList(layers)
         self.norm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.dropout = nn.Dropout(config.hidden_dropout)  # on the embedded input
+        self.output_dropout = nn.Dropout(config.hidden_dropout)  # after the final norm
         self.num_moe_layers = sum(layer.is_moe for layer in self.layers)
         register_output_recorders(self, self._can_record_outputs)
 
@@ -219,7 +221,7 @@ class Seq2SeqMoEStack(nn.Module):
 
     def _output(self, hidden_states, aux_loss, z_loss, **fields) -> Seq2SeqMoEStackOutput:
         return Seq2SeqMoEStackOutput(
-            last_hidden_state=self.dropout(self.norm(hidden_states)),
+            last_hidden_state=self.output_dropout(self.norm(hidden_states)),
             router_losses=(aux_loss, z_loss) if aux_loss is not None else None,
             **fields,
         )

@@ -2,7 +2,9 @@
 Transformers' `DistributedConfig(pp_size=N)`): a stage keeps the layers it holds at their index in the whole model
 and holds a `LayerOfAnotherStage` in place of each other one, so parameter names are the whole model's and the model
 forwards run unchanged over the stand-ins; a stage after the first drops what belongs to the model's input
-(embedding dropout, learned positions: its input carries them).
+(embedding dropout, learned positions: its input carries them). `cut_stack` also drops a stack's input and output
+parts where another stage holds them, so a stage runs the stack's own forward (Transformers' pipeline does that part
+itself).
 """
 
 from collections.abc import Iterable
@@ -40,8 +42,25 @@ def keep_layers(layers: nn.ModuleList, held: Iterable[int]) -> None:
             layers[i] = LayerOfAnotherStage()
 
 
-def drop_input_parts(base: nn.Module) -> None:
-    """A stage after the first: its input already carries the embedding dropout and learned positions."""
-    base.dropout = nn.Identity()  # applied to the embeddings only
-    if getattr(base.config, "position_embedding_type", None) == "learned":
-        base.embed_positions = NoPositions()
+def drop_input_parts(stack: nn.Module) -> None:
+    """A stage after the start of `stack`: its input already carries the embedding dropout and learned positions."""
+    stack.dropout = nn.Identity()  # applied to the embeddings only
+    if getattr(stack.config, "position_embedding_type", None) == "learned":
+        stack.embed_positions = NoPositions()
+
+
+def cut_stack(stack: nn.Module, held: Iterable[int]) -> None:
+    """The part of `stack` (a GPT-MoE's `model`, an encoder-decoder's encoder or decoder) that a stage holding its
+    layers `held` keeps, so that the stack's own forward runs the stage's part: where the stack's first layer is
+    another stage's, the input parts go (token embedding, embedding dropout, learned positions: the stage receives
+    hidden states); where its last layer is, the output parts (final norm, output dropout: the next stage applies
+    them)."""
+    held = set(held)
+    keep_layers(stack.layers, held)
+    if 0 not in held:
+        stack.embed_tokens = None
+        drop_input_parts(stack)
+    if len(stack.layers) - 1 not in held:
+        stack.norm = nn.Identity()
+        if hasattr(stack, "output_dropout"):
+            stack.output_dropout = nn.Identity()

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor
 from transformers.loss.loss_utils import ForMaskedLMLoss
 
-from ..modeling.stages import drop_input_parts, is_held, keep_layers
+from ..modeling.stages import cut_stack, is_held
 from ..modeling.loss import is_target, lm_targets, num_target_tokens
 from ..moe.layer import MoELayer
 from ..moe.losses import router_loss
@@ -101,8 +101,8 @@ class _Stage(nn.Module):
 
 class GPTMoEStage(_Stage):
     """Layers `layers` of a `GPTMoEForCausalLM`, with the embeddings on the first stage and the final norm and head
-    on the last. `model` is trimmed in place (`hf_ppmoe.modeling.stages`: the layers keep their index in the whole
-    model) and kept as `self.model`.
+    on the last. `model` is trimmed in place (`hf_ppmoe.modeling.stages.cut_stack`: the layers keep their index in
+    the whole model) and kept as `self.model`; the stage runs its `model.model` forward.
 
     forward(x, attention_mask=None): x is input_ids [B, L] on the first stage, hidden states [B, L, H] on the others;
     returns hidden states, or the logits on the last stage."""
@@ -110,12 +110,9 @@ class GPTMoEStage(_Stage):
     def __init__(self, model, layers: range, is_first: bool, is_last: bool, num_microbatches: int):
         base, config = model.model, model.config
         tied = _head_tied(model)
-        keep_layers(base.layers, layers)
-        if not is_first:
-            base.embed_tokens = None
-            drop_input_parts(base)
+        cut_stack(base, layers)
         if not is_last:
-            base.norm, model.lm_head = nn.Identity(), None
+            model.lm_head = None
         model.init_parallel_plans()  # the plans now name only what this stage holds
         moe_total = sum(config.is_moe_layer(i) for i in range(config.num_hidden_layers))
         super().__init__(model, is_first, is_last, num_microbatches, moe_total)
@@ -162,7 +159,8 @@ class GPTMoEStage(_Stage):
 class Seq2SeqMoEStage(_Stage):
     """Layers `layers` of a `Seq2SeqMoEForConditionalGeneration`, counted encoder first: 0 .. E-1 are the encoder's,
     E .. E+D-1 the decoder's. A stage keeps the shared embeddings where a stack starts, a stack's relative position
-    bias table where it has that stack's layers, a stack's final norm where it ends, the head on the last stage.
+    bias table where it has that stack's layers, a stack's final norm and output dropout where it ends
+    (`hf_ppmoe.modeling.stages.cut_stack`), the head on the last stage; it runs the stacks' own forwards.
 
     Positional inputs and outputs, per microbatch (what the previous stage sent / what goes to the next):
         input_ids [B, S] (first stage)   encoder hidden [B, S, H] (inside the encoder)
@@ -177,16 +175,12 @@ class Seq2SeqMoEStage(_Stage):
         tied = _head_tied(model)
         keep = {"encoder": [i for i in layers if i < E], "decoder": [i - E for i in layers if i >= E]}
         moe_here = {name: sum(getattr(base, name).layers[i].is_moe for i in keep[name]) for name in keep}
-        for name, depth in (("encoder", E), ("decoder", D)):
+        for name in ("encoder", "decoder"):
             stack = getattr(base, name)
             if not keep[name]:
                 setattr(base, name, None)
                 continue
-            keep_layers(stack.layers, keep[name])
-            stack.embed_tokens = None  # the stage embeds (the stack's dropout applies to its input and its output:
-            stack.dropout = nn.Identity()  # the stage applies it where the stack starts and where it ends)
-            if depth - 1 not in keep[name]:
-                stack.norm = nn.Identity()
+            cut_stack(stack, keep[name])
         if 0 not in keep["encoder"] and 0 not in keep["decoder"]:
             base.shared = None
         if not is_last:
@@ -194,7 +188,7 @@ class Seq2SeqMoEStage(_Stage):
         model.init_parallel_plans()
         moe_total = sum(map(config.is_encoder_moe_layer, range(E))) + sum(map(config.is_decoder_moe_layer, range(D)))
         super().__init__(model, is_first, is_last, num_microbatches, moe_total)
-        self.tied, self.moe_here, self.dropout = tied, moe_here, nn.Dropout(config.hidden_dropout)
+        self.tied, self.moe_here = tied, moe_here
         self.encoder_start, self.encoder_end = 0 in keep["encoder"], E - 1 in keep["encoder"]
         self.decoder_start = 0 in keep["decoder"]
 
@@ -210,23 +204,21 @@ class Seq2SeqMoEStage(_Stage):
             inputs = self._received(*inputs)
         if base.encoder is not None:
             (x,) = inputs
-            if self.encoder_start:
-                x = self.dropout(base.shared(x))
-            out = base.encoder(inputs_embeds=x, attention_mask=attention_mask, compute_router_losses=True)
+            x = {"input_ids" if self.encoder_start else "inputs_embeds": x}
+            out = base.encoder(**x, attention_mask=attention_mask, compute_router_losses=True)
             stacks.append((out, self.moe_here["encoder"]))
             if not self.encoder_end:
                 return self._with_router_loss(out.last_hidden_state, stacks)
-            hidden, encoder_output = None, self.dropout(out.last_hidden_state)
+            hidden, encoder_output = None, out.last_hidden_state
         elif self.decoder_start:
             hidden, (encoder_output,) = None, inputs
         else:
             hidden, encoder_output = inputs
         if base.decoder is None:
             return self._with_router_loss(encoder_output, stacks)
-        if self.decoder_start:
-            hidden = self.dropout(base.shared(decoder_input_ids))
+        x = {"input_ids": decoder_input_ids} if self.decoder_start else {"inputs_embeds": hidden}
         out = base.decoder(
-            inputs_embeds=hidden,
+            **x,
             attention_mask=decoder_attention_mask,
             encoder_hidden_states=encoder_output,
             encoder_attention_mask=attention_mask,
@@ -237,7 +229,7 @@ class Seq2SeqMoEStage(_Stage):
         stacks.append((out, self.moe_here["decoder"]))
         if not self.is_last:
             return self._with_router_loss(out.last_hidden_state, stacks), encoder_output
-        return self.model.lm_logits(self._with_router_loss(self.dropout(out.last_hidden_state), stacks))
+        return self.model.lm_logits(self._with_router_loss(out.last_hidden_state, stacks))
 
     def shared_parameters(self):
         base, shared = self.model.model, {}

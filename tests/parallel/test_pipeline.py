@@ -1,6 +1,7 @@
 """Pipeline parallelism (2 processes) and TP x PP (4 processes) against single-process gradient accumulation; every
 test body runs on all ranks (tests/distributed.py)."""
 
+import copy
 from datetime import timedelta
 
 import pytest
@@ -126,3 +127,31 @@ def test_a_stage_keeps_the_whole_models_names_and_no_forward_of_its_own(seq2seq)
     layers = stage.model.model.encoder.layers if seq2seq else stage.model.model.layers
     assert [is_held(layer) for layer in layers] == [False, False, True, True]
     assert all(isinstance(layers[i], LayerOfAnotherStage) for i in (0, 1))
+
+
+@pytest.mark.parametrize("seq2seq", [False, True], ids=["gpt", "seq2seq"])
+def test_stages_run_in_turn_equal_the_whole_model_with_dropout(seq2seq):
+    """A stage runs the stacks' own forwards over what it holds (`cut_stack`): the stages of one model, run one after
+    the other in one process, give the whole model's logits with dropout active, so each stack's embedding, input
+    dropout, final norm and output dropout run once, where the stack starts and ends (the same random draws in the
+    same order). Seq2seq: [enc 0-1] -> [enc 2, dec 0] -> [dec 1-2]; GPT: learned positions, [0] -> [1] -> [2]."""
+    settings = dict(hidden_dropout=0.3, num_hidden_layers=3, moe_layer_frequency=1)
+    settings.update({"num_decoder_layers": 3} if seq2seq else GPT2_STYLE)
+    whole, cut = build(seq2seq=seq2seq, **settings), build(seq2seq=seq2seq, **settings)
+    ids, mask, labels = batch(seq2seq=seq2seq)
+    torch.manual_seed(7)
+    expected = whole(input_ids=ids, attention_mask=mask, labels=labels).logits
+
+    stage_class = Seq2SeqMoEStage if seq2seq else GPTMoEStage
+    layers = split_layers(stage_class.num_layers(cut.config), 3)
+    stages = [copy.deepcopy(cut) for _ in layers]
+    stages = [stage_class(m, r, i == 0, i == len(layers) - 1, num_microbatches=1) for i, (m, r) in enumerate(zip(stages, layers))]
+    args, kwargs, _ = stages[0].step_inputs(ids, labels, mask, None)
+    torch.manual_seed(7)
+    for stage in stages:
+        out = stage(*args, **kwargs)
+        args = out if isinstance(out, tuple) else (out,)
+    (logits,) = args
+    torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-6)
+    torch.manual_seed(8)  # dropout is active: a different draw gives other logits
+    assert not torch.allclose(whole(input_ids=ids, attention_mask=mask, labels=labels).logits, expected, atol=1e-3)
