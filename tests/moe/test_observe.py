@@ -2,6 +2,7 @@
 layer's `Routing` to its callback, the very one the model output records; removing the hooks stops it; `keep_only`
 forgets the layers a pipeline stage does not hold."""
 
+import pytest
 import torch
 from helpers import tiny_gpt_config, tiny_seq2seq_config
 
@@ -62,3 +63,31 @@ def test_keep_only_forgets_the_layers_a_pipeline_stage_does_not_hold():
     forgotten(torch.randn(1, 4, 32))  # a layer it forgot: its hook is gone too
     assert seen == ["model.layers.3.mlp"]
     assert isinstance(forgotten, MoELayer)
+
+
+def test_router_monitor_sums_the_routing_the_model_output_records():
+    """RouterMonitor, a consumer of RoutingHooks: over two training forwards with capacity (routes dropped), its
+    statistics are those of the Routings the model output records (`output_router_logits`) on the same batches."""
+    from hf_ppmoe.training.tracking import RouterMonitor
+
+    model = GPTMoEForCausalLM(tiny_gpt_config(num_hidden_layers=4, moe_layer_frequency=2, capacity_factor=1.0)).train()
+    E, K = model.config.num_experts, model.config.num_experts_per_tok
+    monitor = RouterMonitor(model)
+    counts, dropped = {}, {}
+    for _ in range(2):
+        ids = torch.randint(3, 97, (2, 8))
+        out = model(ids, labels=ids, output_router_logits=True)
+        for name, routes in zip(MOE_NAMES, out.router_expert_ids):
+            c = torch.stack([(routes == e).sum() for e in range(E)]).float()
+            counts[name] = counts.get(name, 0) + c
+            dropped.setdefault(name, []).append(1 - c.sum() / (ids.numel() * K))
+    metrics = monitor.collect()
+    assert any(sum(d) > 0 for d in dropped.values()), "the case should drop routes"
+    for name in MOE_NAMES:
+        short = name.removeprefix("model.").removesuffix(".mlp")
+        c = counts[name]
+        assert metrics[f"expert_load_cv/{short}"] == pytest.approx((c.std(unbiased=False) / c.mean()).item(), rel=1e-5)
+        assert metrics[f"dropped_fraction/{short}"] == pytest.approx(torch.stack(dropped[name]).mean().item(), abs=1e-6)
+    monitor.remove()
+    model(ids, labels=ids)
+    assert monitor.collect() == {}
