@@ -18,8 +18,9 @@ unexpanded prompts) in two more fields:
     out.encoder_router_logits[layer]       # [batch * source length, E], padding included
     out.encoder_router_expert_ids[layer]   # [batch * source length, k]; None if `encoder_outputs` were passed in
 
-The routing is recorded with forward hooks on the MoE layers: `output_router_logits` never reaches the model's
-forward (which would compute router losses for every step).
+The routing is the `Routing` each MoE layer returns, observed outside the forward by `hf_ppmoe.moe.observe.RoutingHooks`
+(forward hooks on the MoE layers): `output_router_logits` never reaches the model's forward (which would compute
+router losses for every step).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from transformers.generation import (
     GenerationMixin,
 )
 
-from ..moe.layer import MoELayer
+from ..moe.observe import RoutingHooks
+from ..moe.routing import Routing
 
 RouterSteps = tuple[tuple[torch.Tensor, ...], ...]
 
@@ -83,34 +85,35 @@ _WITH_ROUTING = {
 
 class RoutingRecorder:
     """Context manager: while active, every forward of `model` is a step and every MoE layer under `stack` (the
-    model by default; a decoder for encoder-decoders) appends its router logits and expert ids to that step."""
+    model by default; a decoder for encoder-decoders) appends its router logits and expert ids to that step. The
+    layers' `Routing` comes through `hf_ppmoe.moe.observe.RoutingHooks`; the one hook of its own, a pre-hook on
+    `model`, only opens a step."""
 
     def __init__(self, model: torch.nn.Module, stack: torch.nn.Module | None = None):
         self.model = model
-        self.layers = [m for m in (stack or model).modules() if isinstance(m, MoELayer)]
+        self.stack = stack or model
         self.logits: list[list[torch.Tensor]] = []
         self.expert_ids: list[list[torch.Tensor]] = []
-        self.handles = []
+        self.step_hook = self.routing_hooks = None
 
     def _new_step(self, module, args):
         self.logits.append([])
         self.expert_ids.append([])
 
-    def _record(self, module, args, output):
-        routing = output[1]
+    def _record(self, name: str, routing: Routing):
         if self.logits:  # calls outside a forward of the model (an encoder run by generate) are not steps
             self.logits[-1].append(routing.router_logits.detach())
             self.expert_ids[-1].append(routing.expert_ids.detach())
 
     def __enter__(self):
-        self.handles.append(self.model.register_forward_pre_hook(self._new_step))
-        self.handles += [layer.register_forward_hook(self._record) for layer in self.layers]
+        self.step_hook = self.model.register_forward_pre_hook(self._new_step)
+        self.routing_hooks = RoutingHooks(self.stack, self._record)
         return self
 
     def __exit__(self, *exc):
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
+        self.step_hook.remove()
+        self.routing_hooks.remove()
+        self.step_hook = self.routing_hooks = None
 
     def steps(self) -> tuple[RouterSteps, RouterSteps]:
         return tuple(map(tuple, self.logits)), tuple(map(tuple, self.expert_ids))

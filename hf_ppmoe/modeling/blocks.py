@@ -24,6 +24,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
 from ..moe.losses import losses_wanted
+from ..moe.observe import ROUTING_INDEX
 from .common import layer_outputs
 from .norms import build_norm
 
@@ -151,11 +152,11 @@ def combine_router_losses(*stacks: tuple[tuple[torch.Tensor, torch.Tensor] | Non
 def output_recorders(layer: type[nn.Module], attention: type[nn.Module], cross_attention: bool = False) -> dict:
     """A stack's `_can_record_outputs`: hidden states (each layer's input, then the final output), self-attention
     (and cross-attention) weights, and each MoE layer's `Routing` (under "router_logits": `capture_moe_outputs` splits
-    it into router_logits and router_expert_ids)."""
+    it into router_logits and router_expert_ids), read where `hf_ppmoe.moe.observe` reads it outside the forward."""
     recorders = {
         "hidden_states": OutputRecorder(layer, index=0),
         "attentions": OutputRecorder(attention, index=1, layer_name="self_attn"),
-        "router_logits": OutputRecorder(MoELayer, index=1),
+        "router_logits": OutputRecorder(MoELayer, index=ROUTING_INDEX),
     }
     if cross_attention:
         recorders["cross_attentions"] = OutputRecorder(attention, index=1, layer_name="cross_attn")

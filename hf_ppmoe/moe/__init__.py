@@ -5,6 +5,7 @@ from .kernels import CAPABILITIES, capability_table
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
 from .layer import MoELayer, TokenDispatcher
 from .losses import balance_loss, losses_wanted, route_fractions, router_loss, router_z_loss
+from .observe import ROUTING_INDEX, RoutingHooks
 from .routing import Routing, capacity_for, group_size_for, positions_in_expert
 
 __all__ = [
@@ -17,7 +18,9 @@ __all__ = [
     "MLP",
     "MoELayer",
     "PrototypeGate",
+    "ROUTING_INDEX",
     "Routing",
+    "RoutingHooks",
     "SwitchGate",
     "TokenDispatcher",
     "TopKGate",

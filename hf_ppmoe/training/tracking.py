@@ -9,36 +9,34 @@ from pathlib import Path
 import torch
 from accelerate.tracking import GeneralTracker
 
-from ..moe.layer import MoELayer
+from ..moe.observe import RoutingHooks
+from ..moe.routing import Routing
 
 
 class RouterMonitor:
-    """Forward hooks on every `MoELayer` that sum, per layer, the tokens each expert received and the routes the
-    router chose but capacity dropped, until `collect()` is called (no global state: one monitor per model)."""
+    """Sums, per MoE layer of `model`, the tokens each expert received and the routes the router chose but capacity
+    dropped, until `collect()` is called (no global state: one monitor per model). It reads the `Routing` every layer
+    returns through `hf_ppmoe.moe.observe.RoutingHooks`; names are `model.named_modules()`'s."""
 
     def __init__(self, model: torch.nn.Module):
-        self.layers = {name: m for name, m in model.named_modules() if isinstance(m, MoELayer)}
-        self.handles = {name: m.register_forward_hook(self._hook(name)) for name, m in self.layers.items()}
+        self.hooks = RoutingHooks(model, self._add)
         self.reset()
+
+    @property
+    def layers(self) -> dict:
+        return self.hooks.layers
 
     def keep_only(self, module: torch.nn.Module) -> None:
         """Forget the layers `module` does not hold (a pipeline stage cut from the model): names stay the whole
         model's."""
-        held = {id(m) for m in module.modules()}
-        for name in [n for n, m in self.layers.items() if id(m) not in held]:
-            self.handles.pop(name).remove()
-            del self.layers[name]
+        self.hooks.keep_only(module)
 
-    def _hook(self, name):
-        def hook(module, inputs, output):
-            routing = output[1]
-            if routing.tokens_per_expert is None:  # losses/statistics were not computed (inference)
-                return
-            self.tokens[name] = self.tokens.get(name, 0) + routing.tokens_per_expert.detach().float()
-            self.dropped[name] = self.dropped.get(name, 0) + routing.dropped_fraction.detach().float()
-            self.calls[name] = self.calls.get(name, 0) + 1
-
-        return hook
+    def _add(self, name: str, routing: Routing) -> None:
+        if routing.tokens_per_expert is None:  # losses/statistics were not computed (inference)
+            return
+        self.tokens[name] = self.tokens.get(name, 0) + routing.tokens_per_expert.detach().float()
+        self.dropped[name] = self.dropped.get(name, 0) + routing.dropped_fraction.detach().float()
+        self.calls[name] = self.calls.get(name, 0) + 1
 
     def reset(self):
         self.tokens, self.dropped, self.calls = {}, {}, {}
@@ -67,8 +65,7 @@ class RouterMonitor:
         return metrics
 
     def remove(self):
-        for handle in self.handles.values():
-            handle.remove()
+        self.hooks.remove()
 
 
 class JSONLinesTracker(GeneralTracker):

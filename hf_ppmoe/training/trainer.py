@@ -47,7 +47,8 @@ from .tracking import RouterMonitor
 class LossMonitor:
     """A forward hook on `model` (what Trainer calls: our model, or a PEFT model around `moe_model`) that sums, over the
     forwards given labels, the LM cross-entropy, the label tokens, the token-weighted aux and z losses and the forwards
-    without a target token, on the device, until `collect()`."""
+    without a target token, on the device, until `collect()`. It observes the model's losses, not routing (which
+    `RouterMonitor` reads through `hf_ppmoe.moe.observe`): see that module's docstring for why it stays apart."""
 
     def __init__(self, model: torch.nn.Module, moe_model: torch.nn.Module):
         self.config = moe_model.config
