@@ -17,7 +17,6 @@ Every stage is the library's public API: `hf_ppmoe.training.main`, `upcycle`, `f
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import statistics
@@ -31,11 +30,10 @@ from ..conversion import merge_experts, upcycle
 from ..generation import flat_beam_search
 from ..modeling.loss import lm_loss_of
 from ..moe.layer import MoELayer
-from .arguments import TrainArguments
 from .demo_arguments import DemoArguments
 from .data import builtin_corpus, pack, train_tokenizer
-from .tracking import curve, plot_expert_share, plot_paired_runs, read_jsonl
-from .train import main as train
+from .demo_runs import data_order_seeds, median_tokens_per_second, records, train_run, write_jsonl
+from .tracking import plot_expert_share, plot_paired_runs
 
 PROMPT = "The while statement"
 HELD_OUT_EVERY = 10  # every 10th topic of the language reference (alphabetical order, from the first) is held out
@@ -45,19 +43,7 @@ QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size
 
 
 def _train(args: DemoArguments, root: Path, out: str, steps: int, seed: int, logging_steps: int, **model) -> dict:
-    return train(
-        TrainArguments(
-            output_dir=str(root / out), tokenizer_name=str(root / "tokenizer"), max_steps=steps,
-            train_file=[str(root / "data" / "train.jsonl")], validation_file=[str(root / "data" / "held-out.jsonl")],
-            per_device_train_batch_size=args.batch_size, block_size=args.block_size, learning_rate=args.learning_rate,
-            warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // args.evaluations), eval_batches=0, seed=seed,
-            logging_steps=logging_steps, plots=False, **model,
-        )
-    )
-
-
-def _records(root: Path, run: str) -> list[dict]:
-    return read_jsonl(root / run / "logs" / "metrics.jsonl")
+    return train_run(args, root, out, steps, seed, logging_steps, block_size=args.block_size, **model)
 
 
 @torch.no_grad()
@@ -83,11 +69,6 @@ def expert_shares(model, blocks: torch.Tensor, batch_size: int) -> dict[str, lis
         counts += torch.stack([torch.bincount(layer.flatten(), minlength=E + 1)[:E].float() for layer in ids])
     shares = counts / counts.sum(1, keepdim=True)
     return {"layer " + name.split(".")[-2]: row.tolist() for name, row in zip(names, shares)}
-
-
-def _median_tokens_per_second(records: list[list[dict]]) -> float:
-    """Median over every step but each run's first (which includes start-up) of the logged tokens/s."""
-    return statistics.median(v for r in records for v in curve(r, "train/tokens_per_second")[1][1:])
 
 
 def _verdict(diffs: list[float]) -> str:
@@ -120,11 +101,6 @@ def _held_out(texts: list[str]) -> tuple[list[str], list[str], list[str], int]:
             len(texts))
 
 
-def _write_jsonl(path: Path, texts: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-
-
 def _millions(n: int) -> str:
     return f"{n / 1e6:.2f}M"
 
@@ -143,8 +119,8 @@ def run_demo(args: DemoArguments) -> Path:
     torch.manual_seed(args.seed)
     corpus = builtin_corpus()
     train_texts, held_texts, held_names, distinct = _held_out(corpus)
-    _write_jsonl(root / "data" / "train.jsonl", train_texts)
-    _write_jsonl(root / "data" / "held-out.jsonl", held_texts)
+    write_jsonl(root / "data" / "train.jsonl", [{"text": t} for t in train_texts])
+    write_jsonl(root / "data" / "held-out.jsonl", [{"text": t} for t in held_texts])
     tokenizer = train_tokenizer(train_texts)
     tokenizer.save_pretrained(root / "tokenizer")
     held_out = pack(held_texts, tokenizer, args.block_size)  # the blocks the training loop evaluates on
@@ -187,7 +163,7 @@ def run_demo(args: DemoArguments) -> Path:
           f"{_millions(moe_active)} active per token")
     times["upcycling"] = time.perf_counter() - clock
 
-    seeds = [args.seed + 1 + i for i in range(args.seeds)]
+    seeds = data_order_seeds(args)
     print(f"[3/7] fine-tuning the MoE and the dense model, {args.finetune_steps} steps on the same batches, seeds {seeds}")
     clock, load_before = time.perf_counter(), os.getloadavg()[0]
     results, equal_flops = {"moe": [], "dense": []}, []
@@ -204,9 +180,9 @@ def run_demo(args: DemoArguments) -> Path:
     diffs = [m - d for m, d in zip(results["moe"], results["dense"])]
     verdict = _verdict(diffs)
     print(f"      {verdict}")
-    logs = {name: [_records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in results}
-    speed = {name: _median_tokens_per_second(records) for name, records in logs.items()}
-    speed["equal-flops"] = _median_tokens_per_second([_records(root, f"equal-flops/dense-seed{seed}") for seed in seeds])
+    logs = {name: [records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in results}
+    speed = {name: median_tokens_per_second(records) for name, records in logs.items()}
+    speed["equal-flops"] = median_tokens_per_second([records(root, f"equal-flops/dense-seed{seed}") for seed in seeds])
     flops_verdict = _verdict([m - d for m, d in zip(results["moe"], equal_flops)])
     wide_total = AutoModelForCausalLM.from_pretrained(root / f"equal-flops/dense-seed{seeds[0]}").num_parameters()
     print(f"      against the dense model with the MoE's active parameters: {flops_verdict}")
@@ -246,7 +222,7 @@ def run_demo(args: DemoArguments) -> Path:
     else:
         merge_note = "The merged model is no worse than the MoE here."
     print("[7/7] writing the report")
-    plot_paired_runs({"MoE": logs["moe"], "dense": logs["dense"]}, root / "training.png", _records(root, "dense"))
+    plot_paired_runs({"MoE": logs["moe"], "dense": logs["dense"]}, root / "training.png", records(root, "dense"))
     plot_expert_share({f"upcycled, before fine-tuning ({args.num_experts} experts, top-{k})": share_init,
                        f"after {args.finetune_steps} fine-tuning steps (seed {seeds[0]})": share_tuned},
                       root / "expert_share.png")
