@@ -1,15 +1,39 @@
-"""What the two demos (`demo.py`, `demo_seq2seq.py`) share: their data-order seeds, a training run on the demo's
-data files, the runs' logged records and their speed."""
+"""What the two demos (`demo.py`, `demo_seq2seq.py`) share: the run's clock, their data-order seeds, a training run
+on the demo's data files, the runs' logged records and their speed."""
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .arguments import TrainArguments
 from .tracking import curve, read_jsonl
 from .train import main as train
+
+
+@dataclass
+class Clock:
+    """When the run started, the load averages then, and the seconds each named stage took."""
+
+    start: float = field(default_factory=time.perf_counter)
+    load: tuple[float, float, float] = field(default_factory=os.getloadavg)
+    stages: dict[str, float] = field(default_factory=dict)
+
+    @contextmanager
+    def stage(self, name: str):
+        """Time the `with` block as the stage `name`."""
+        began = time.perf_counter()
+        yield
+        self.stages[name] = time.perf_counter() - began
+
+    def minutes(self) -> float:
+        """Minutes since the start."""
+        return (time.perf_counter() - self.start) / 60
 
 
 def data_order_seeds(args) -> list[int]:

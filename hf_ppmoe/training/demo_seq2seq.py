@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import os
 import statistics
-import time
 from pathlib import Path
 
 from ..modeling import Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
 from .data import train_tokenizer
-from .demo_runs import data_order_seeds, median_tokens_per_second, records, train_run, write_jsonl
+from .demo_runs import Clock, data_order_seeds, median_tokens_per_second, records, train_run, write_jsonl
 from .stdlib_task import EVALUATION_FILES, stdlib_pairs
 from .tracking import _mean, _pyplot, _save, _smooth, curve, read_jsonl
 
@@ -74,7 +73,7 @@ def run_seq2seq_demo(args) -> Path:
     --num_experts, --num_experts_per_tok; --seeds, --batch_size, --num_beams, --evaluations)."""
     root = Path(args.output_dir)
     (root / "data").mkdir(parents=True, exist_ok=True)
-    start, load = time.perf_counter(), os.getloadavg()
+    clock = Clock()
     print("[1/4] reading the standard library's functions and docstrings")
     train_pairs, held_pairs = stdlib_pairs(40 if args.quick else None)
     write_jsonl(root / "data" / "train.jsonl", train_pairs)
@@ -120,7 +119,7 @@ def run_seq2seq_demo(args) -> Path:
                                                      for n in MODELS) + " |" for i, seed in enumerate(seeds))
     shown = "\n".join(f"- `{s['source'].splitlines()[0][:90]}` ...\n  - target: {s['target']}\n  - generated: {s['generated']!r}"
                       for s in samples)
-    minutes = (time.perf_counter() - start) / 60
+    minutes = clock.minutes()
     quick = "\n*`--quick`: tiny models, few steps and few training files: a check that every stage runs, not a result.*\n"
     report = f"""# hf-ppmoe demo --seq2seq
 {quick if args.quick else ""}
@@ -139,7 +138,7 @@ hidden size {args.hidden_size}, {args.num_layers} encoder and {args.num_layers} 
 {args.num_experts} experts of width {2 * args.hidden_size}, top-{args.num_experts_per_tok} (dropless). Held-out loss: cross-entropy per target
 token; chrF and BLEU (sacrebleu) of GShard flat beam search outputs ({args.num_beams} beams) for the first {pairs}
 held-out pairs. Mean ± standard deviation over the seeds; tokens/s: median step, CPU proxy ({os.cpu_count()} cores,
-shared; 1-min load average {load[0]:.1f} at the start).
+shared; 1-min load average {clock.load[0]:.1f} at the start).
 
 | model | parameters | active per token | held-out loss | chrF | BLEU | tokens/s |
 |---|---|---|---|---|---|---|
@@ -163,7 +162,7 @@ Per seed, held-out loss / chrF:
 
 ## Run time
 
-{minutes:.1f} minutes on {os.cpu_count()} cores (1-min load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at
+{minutes:.1f} minutes on {os.cpu_count()} cores (1-min load average {clock.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at
 the end). Folders: `data/`, `tokenizer/`, `<model>-seed<N>/` (model, card, `logs/metrics.jsonl`, `logs/samples.jsonl`).
 """
     (root / "report.md").write_text(report)
