@@ -1,27 +1,27 @@
-"""`hf-ppmoe demo`: the main job of the README, end to end on the built-in corpus (no download).
+"""`hf-ppmoe demo`: the main job of the README, end to end on the built-in corpus (no download), in named steps
+(`run_demo` calls them in this order; each returns a small dataclass of `demo_report.py`, which writes the report):
 
-1. split the Python language reference that ships with CPython into training topics and a named held-out set, and
-   train a small dense GPT-2 on the training topics;
-2. upcycle it to a GPT-MoE and check that its logits equal the dense model's; count total and active parameters;
-3. fine-tune the MoE and, for the same steps on the same batches, the dense model, for several data-order seeds;
-   compare their held-out loss per seed (the claim is made only if every seed agrees) and their tokens/s; and, the
-   papers' comparison, against a dense GPT-2 with the MoE's active parameters (equal FLOPs per token) trained from
-   scratch for as many steps as the MoE saw in all;
-4. measure the share of routes each expert receives in each MoE layer on the held-out set, before and after;
-5. generate with GShard flat beam search (and check it equals Transformers' beam search);
-6. merge the MoE's experts back into a plain GPT-2 and evaluate it on the same held-out set;
-7. write a report (markdown + PNG plots) and print where it is.
+1. `prepare_data`, `pretrain_dense`: split the Python language reference that ships with CPython into training topics
+   and a named held-out set, fit a tokenizer, and train a small dense GPT-2 on the training topics;
+2. `upcycle_and_check`: upcycle it to a GPT-MoE and check that its logits equal the dense model's; count total and
+   active parameters;
+3. `finetune_and_compare`: fine-tune the MoE and, for the same steps on the same batches, the dense model, for several
+   data-order seeds; compare their held-out loss per seed (the claim is made only if every seed agrees) and their
+   tokens/s; and, the papers' comparison, against a dense GPT-2 with the MoE's active parameters (equal FLOPs per
+   token) trained from scratch for as many steps as the MoE saw in all;
+4. `measure_expert_shares`: the share of routes each expert receives in each MoE layer on the held-out set, before
+   and after;
+5. `generate_text`: generate with GShard flat beam search (and check it equals Transformers' beam search);
+6. `merge_back`: merge the MoE's experts back into a plain GPT-2 and evaluate it on the same held-out set;
+7. `write_report`: write a report (markdown + PNG plots) and print where it is.
 Every stage is the library's public API: `hf_ppmoe.training.main`, `upcycle`, `flat_beam_search`, `merge_experts`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import math
 import os
 import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -31,11 +31,13 @@ from ..conversion import merge_experts, upcycle
 from ..generation import flat_beam_search
 from ..modeling.loss import lm_loss_of
 from ..moe.layer import MoELayer
-from .arguments import TrainArguments
-from .demo_arguments import DemoArguments
 from .data import builtin_corpus, pack, train_tokenizer
-from .tracking import curve, plot_expert_share, plot_paired_runs, read_jsonl
-from .train import main as train
+from .demo_arguments import DemoArguments
+from .demo_report import (
+    Comparison, Data, DemoResults, Generation, Merged, Pretrained, Upcycled, millions, moe_layers, report_markdown,
+)
+from .demo_runs import Clock, data_order_seeds, median_tokens_per_second, records, train_run, write_jsonl
+from .tracking import plot_expert_share, plot_paired_runs
 
 PROMPT = "The while statement"
 HELD_OUT_EVERY = 10  # every 10th topic of the language reference (alphabetical order, from the first) is held out
@@ -44,20 +46,9 @@ QUICK = dict(dense_steps=4, finetune_steps=4, seeds=2, batch_size=16, block_size
              num_experts=4, num_beams=2, evaluations=2, eval_pairs=4)
 
 
-def _train(args: DemoArguments, root: Path, out: str, steps: int, seed: int, logging_steps: int, **model) -> dict:
-    return train(
-        TrainArguments(
-            output_dir=str(root / out), tokenizer_name=str(root / "tokenizer"), max_steps=steps,
-            train_file=[str(root / "data" / "train.jsonl")], validation_file=[str(root / "data" / "held-out.jsonl")],
-            per_device_train_batch_size=args.batch_size, block_size=args.block_size, learning_rate=args.learning_rate,
-            warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // args.evaluations), eval_batches=0, seed=seed,
-            logging_steps=logging_steps, plots=False, **model,
-        )
-    )
-
-
-def _records(root: Path, run: str) -> list[dict]:
-    return read_jsonl(root / run / "logs" / "metrics.jsonl")
+def _train(args: DemoArguments, root: Path, out: str, steps: int, seed: int, logging_steps: int, **model) -> float:
+    """A GPT-2 (or GPT-MoE) run on the demo's blocks; its final held-out loss."""
+    return train_run(args, root, out, steps, seed, logging_steps, block_size=args.block_size, **model)["eval/loss"]
 
 
 @torch.no_grad()
@@ -83,11 +74,6 @@ def expert_shares(model, blocks: torch.Tensor, batch_size: int) -> dict[str, lis
         counts += torch.stack([torch.bincount(layer.flatten(), minlength=E + 1)[:E].float() for layer in ids])
     shares = counts / counts.sum(1, keepdim=True)
     return {"layer " + name.split(".")[-2]: row.tolist() for name, row in zip(names, shares)}
-
-
-def _median_tokens_per_second(records: list[list[dict]]) -> float:
-    """Median over every step but each run's first (which includes start-up) of the logged tokens/s."""
-    return statistics.median(v for r in records for v in curve(r, "train/tokens_per_second")[1][1:])
 
 
 def _verdict(diffs: list[float]) -> str:
@@ -120,39 +106,24 @@ def _held_out(texts: list[str]) -> tuple[list[str], list[str], list[str], int]:
             len(texts))
 
 
-def _write_jsonl(path: Path, texts: list[str]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-
-
-def _millions(n: int) -> str:
-    return f"{n / 1e6:.2f}M"
-
-
-def run_demo(args: DemoArguments) -> Path:
-    if args.quick:
-        args = dataclasses.replace(args, **QUICK)
-    if args.seq2seq:
-        from .demo_seq2seq import run_seq2seq_demo
-
-        return run_seq2seq_demo(args)
-    root = Path(args.output_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    start, load = time.perf_counter(), os.getloadavg()
-    times = {}
-    torch.manual_seed(args.seed)
+def prepare_data(args: DemoArguments, root: Path) -> Data:
+    """Split the built-in corpus into training and held-out topics (root/data/), fit the tokenizer on the training
+    topics (root/tokenizer/) and pack both into blocks."""
     corpus = builtin_corpus()
     train_texts, held_texts, held_names, distinct = _held_out(corpus)
-    _write_jsonl(root / "data" / "train.jsonl", train_texts)
-    _write_jsonl(root / "data" / "held-out.jsonl", held_texts)
+    write_jsonl(root / "data" / "train.jsonl", [{"text": t} for t in train_texts])
+    write_jsonl(root / "data" / "held-out.jsonl", [{"text": t} for t in held_texts])
     tokenizer = train_tokenizer(train_texts)
     tokenizer.save_pretrained(root / "tokenizer")
-    held_out = pack(held_texts, tokenizer, args.block_size)  # the blocks the training loop evaluates on
-    train_tokens = pack(train_texts, tokenizer, args.block_size).numel()
-    tokens_per_step = args.batch_size * args.block_size
+    held_out = pack(held_texts, tokenizer, args.block_size)
+    return Data(len(corpus), distinct, HELD_OUT_EVERY, train_texts, held_texts, held_names, tokenizer, held_out,
+                train_tokens=pack(train_texts, tokenizer, args.block_size).numel())
 
+
+def pretrain_dense(args: DemoArguments, root: Path, data: Data) -> Pretrained:
+    """Write the configs of the dense GPT-2 and of a GPT-2 with the MoE's active parameters; pre-train the first."""
     print(f"[1/7] dense GPT-2 pre-training ({args.dense_steps} steps)")
-    clock = time.perf_counter()
+    tokenizer = data.tokenizer
     gpt2 = dict(
         vocab_size=len(tokenizer), n_embd=args.hidden_size, n_layer=args.num_layers, n_head=max(1, args.hidden_size // 32),
         n_positions=args.block_size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -163,64 +134,72 @@ def run_demo(args: DemoArguments) -> Path:
     # that the MoE adds in one FFN of every moe_layer_frequency (equal FLOPs per token, router aside)
     wide = round(4 * args.hidden_size * (1 + (args.num_experts_per_tok - 1) / args.moe_layer_frequency))
     GPT2Config(**gpt2, n_inner=wide).to_json_file(root / "dense_active_config.json")
-    dense_eval = _train(args, root, "dense", args.dense_steps, args.seed, max(1, args.dense_steps // 50),
-                        config_name=str(root / "dense_config.json"))["eval/loss"]
-    times["dense pre-training"] = time.perf_counter() - clock
+    loss = _train(args, root, "dense", args.dense_steps, args.seed, max(1, args.dense_steps // 50),
+                  config_name=str(root / "dense_config.json"))
+    return Pretrained(loss, wide)
 
+
+def upcycle_and_check(args: DemoArguments, root: Path, data: Data) -> Upcycled:
+    """Upcycle the dense model to a GPT-MoE (root/moe-init/), check that its logits are the dense model's, count the
+    parameters and measure the random router's expert shares."""
     k = args.num_experts_per_tok
-    layers = "every FFN" if args.moe_layer_frequency == 1 else f"one FFN in {args.moe_layer_frequency}"
-    gate = f"gate `topk` (each token goes to the {k} experts its router scores highest, their weights renormalized)"
-    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {layers}; the router starts random")
-    clock = time.perf_counter()
+    print(f"[2/7] upcycling to a GPT-MoE: {args.num_experts} experts, top-{k}, {moe_layers(args)}; the router starts random")
     dense = AutoModelForCausalLM.from_pretrained(root / "dense").eval()
-    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",  # = `gate`
+    upcycle(root / "dense", num_experts=args.num_experts, num_experts_per_tok=k, router_type="topk",  # the report's gate
             router_init="random", moe_layer_frequency=args.moe_layer_frequency, seed=args.seed,
             save_directory=root / "moe-init", overwrite=True)
     moe = AutoModelForCausalLM.from_pretrained(root / "moe-init").eval()
-    probe = held_out[: args.batch_size]
+    probe = data.held_out[: args.batch_size]
     with torch.no_grad():
         gap = (moe(probe).logits - dense(probe).logits).abs().max().item()
-    dense_total, moe_total, moe_active = dense.num_parameters(), moe.num_parameters(), moe.num_active_parameters()
-    share_init = expert_shares(moe, held_out, args.batch_size)
+    u = Upcycled(gap, len(probe), dense.num_parameters(), moe.num_parameters(), moe.num_active_parameters(),
+                 expert_shares(moe, data.held_out, args.batch_size))
     print(f"      max |logit difference| between the upcycled MoE and the dense model: {gap:.2e}")
-    print(f"      parameters: dense {_millions(dense_total)}; MoE {_millions(moe_total)} total, "
-          f"{_millions(moe_active)} active per token")
-    times["upcycling"] = time.perf_counter() - clock
+    print(f"      parameters: dense {millions(u.dense_total)}; MoE {millions(u.moe_total)} total, "
+          f"{millions(u.moe_active)} active per token")
+    return u
 
-    seeds = [args.seed + 1 + i for i in range(args.seeds)]
+
+def finetune_and_compare(args: DemoArguments, root: Path) -> Comparison:
+    """Per seed, fine-tune the MoE and the dense model on the same batches, and train a dense GPT-2 with the MoE's
+    active parameters from scratch for as many steps as the MoE saw in all; compare held-out losses and speed."""
+    seeds = data_order_seeds(args)
     print(f"[3/7] fine-tuning the MoE and the dense model, {args.finetune_steps} steps on the same batches, seeds {seeds}")
-    clock, load_before = time.perf_counter(), os.getloadavg()[0]
-    results, equal_flops = {"moe": [], "dense": []}, []
+    load_before = os.getloadavg()[0]
+    losses, equal_flops = {"moe": [], "dense": []}, []
     total_steps = args.dense_steps + args.finetune_steps
     for seed in seeds:  # interleaved, so that a change in the machine's load hits every model alike
-        results["moe"].append(_train(args, root, f"finetune/moe-seed{seed}", args.finetune_steps, seed, 1,
-                                     model_name_or_path=str(root / "moe-init"))["eval/loss"])
-        results["dense"].append(_train(args, root, f"finetune/dense-seed{seed}", args.finetune_steps, seed, 1,
-                                       model_name_or_path=str(root / "dense"))["eval/loss"])
+        losses["moe"].append(_train(args, root, f"finetune/moe-seed{seed}", args.finetune_steps, seed, 1,
+                                    model_name_or_path=str(root / "moe-init")))
+        losses["dense"].append(_train(args, root, f"finetune/dense-seed{seed}", args.finetune_steps, seed, 1,
+                                      model_name_or_path=str(root / "dense")))
         equal_flops.append(_train(args, root, f"equal-flops/dense-seed{seed}", total_steps, seed, 1,
-                                  config_name=str(root / "dense_active_config.json"))["eval/loss"])
-        print(f"      seed {seed}: held-out loss MoE {results['moe'][-1]:.4f}, dense {results['dense'][-1]:.4f}, dense "
+                                  config_name=str(root / "dense_active_config.json")))
+        print(f"      seed {seed}: held-out loss MoE {losses['moe'][-1]:.4f}, dense {losses['dense'][-1]:.4f}, dense "
               f"with the MoE's active parameters (from scratch, {total_steps} steps) {equal_flops[-1]:.4f}")
-    diffs = [m - d for m, d in zip(results["moe"], results["dense"])]
-    verdict = _verdict(diffs)
+    verdict = _verdict([m - d for m, d in zip(losses["moe"], losses["dense"])])
     print(f"      {verdict}")
-    logs = {name: [_records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in results}
-    speed = {name: _median_tokens_per_second(records) for name, records in logs.items()}
-    speed["equal-flops"] = _median_tokens_per_second([_records(root, f"equal-flops/dense-seed{seed}") for seed in seeds])
-    flops_verdict = _verdict([m - d for m, d in zip(results["moe"], equal_flops)])
+    logs = {name: [records(root, f"finetune/{name}-seed{seed}") for seed in seeds] for name in losses}
+    speed = {name: median_tokens_per_second(runs) for name, runs in logs.items()}
+    speed["equal-flops"] = median_tokens_per_second([records(root, f"equal-flops/dense-seed{seed}") for seed in seeds])
+    flops_verdict = _verdict([m - d for m, d in zip(losses["moe"], equal_flops)])
     wide_total = AutoModelForCausalLM.from_pretrained(root / f"equal-flops/dense-seed{seeds[0]}").num_parameters()
     print(f"      against the dense model with the MoE's active parameters: {flops_verdict}")
-    times["fine-tuning"] = time.perf_counter() - clock
-    load_after = os.getloadavg()[0]
+    return Comparison(seeds, losses, equal_flops, verdict, flops_verdict, logs, speed, wide_total, load_before,
+                      load_after=os.getloadavg()[0])
 
+
+def measure_expert_shares(args: DemoArguments, root: Path, data: Data, comparison: Comparison):
+    """The first seed's fine-tuned MoE, and the share of routes each of its experts receives on the held-out set."""
     print("[4/7] expert token shares on the held-out set")
-    clock = time.perf_counter()
-    moe = AutoModelForCausalLM.from_pretrained(root / f"finetune/moe-seed{seeds[0]}").eval()
-    share_tuned = expert_shares(moe, held_out, args.batch_size)
-    spread = {title: (min(min(r) for r in s.values()), max(max(r) for r in s.values()))
-              for title, s in (("init", share_init), ("tuned", share_tuned))}
+    moe = AutoModelForCausalLM.from_pretrained(root / f"finetune/moe-seed{comparison.seeds[0]}").eval()
+    return moe, expert_shares(moe, data.held_out, args.batch_size)
 
+
+def generate_text(args: DemoArguments, data: Data, moe) -> Generation:
+    """Continue PROMPT with flat beam search, and check that Transformers' beam search returns the same tokens."""
     print(f"[5/7] generating with flat beam search ({args.num_beams} beams)")
+    tokenizer = data.tokenizer
     prompt = tokenizer(PROMPT, return_tensors="pt").input_ids
     new_tokens = min(30, args.block_size - prompt.shape[1])  # the model has block_size positions
     # no 3 tokens twice: the continuation cannot loop (a penalty on repeated tokens alone let it emit 29 newlines)
@@ -230,136 +209,58 @@ def run_demo(args: DemoArguments) -> Path:
     same = torch.equal(flat, moe.generate(prompt, **kw))
     text = tokenizer.decode(flat[0], skip_special_tokens=True)
     print(f"      {text!r}\n      identical to Transformers' beam search: {same}")
+    return Generation(PROMPT, text, same)
 
+
+def merge_back(args: DemoArguments, root: Path, data: Data, comparison: Comparison, moe) -> Merged:
+    """Merge the first seed's MoE into a plain GPT-2 (root/merged/); the held-out loss of both."""
     print("[6/7] merging the experts back into a plain GPT-2 (router-usage-weighted mean)")
-    merged = merge_experts(root / f"finetune/moe-seed{seeds[0]}", method="usage", sample_texts=train_texts[:20],
-                           tokenizer=tokenizer, save_directory=root / "merged", overwrite=True)
-    merged = AutoModelForCausalLM.from_pretrained(merged).eval()
-    merged_loss = _lm_loss(merged, held_out, args.batch_size)
-    moe_loss = _lm_loss(moe, held_out, args.batch_size)
-    print(f"      {type(merged).__name__}: held-out loss {merged_loss:.4f} (the MoE it came from: {moe_loss:.4f})")
+    path = merge_experts(root / f"finetune/moe-seed{comparison.seeds[0]}", method="usage",
+                         sample_texts=data.train_texts[:20], tokenizer=data.tokenizer, save_directory=root / "merged",
+                         overwrite=True)
+    merged = AutoModelForCausalLM.from_pretrained(path).eval()
+    result = Merged(type(merged).__name__, _lm_loss(merged, data.held_out, args.batch_size),
+                    _lm_loss(moe, data.held_out, args.batch_size))
+    print(f"      {result.model_class}: held-out loss {result.loss:.4f} (the MoE it came from: {result.moe_loss:.4f})")
+    return result
 
-    times["expert shares, generation, merging"] = time.perf_counter() - clock
-    if merged_loss > moe_loss:
-        merge_note = ("Averaging keeps what the experts share and loses what they learned apart "
-                      f"({merged_loss - moe_loss:.4f} nats here).")
-    else:
-        merge_note = "The merged model is no worse than the MoE here."
+
+def write_report(args: DemoArguments, root: Path, results: DemoResults, clock: Clock) -> Path:
+    """Plot the runs and the expert shares, write root/report.md and print where it is."""
     print("[7/7] writing the report")
-    plot_paired_runs({"MoE": logs["moe"], "dense": logs["dense"]}, root / "training.png", _records(root, "dense"))
-    plot_expert_share({f"upcycled, before fine-tuning ({args.num_experts} experts, top-{k})": share_init,
-                       f"after {args.finetune_steps} fine-tuning steps (seed {seeds[0]})": share_tuned},
-                      root / "expert_share.png")
-    minutes = (time.perf_counter() - start) / 60
-    stage_times = ", ".join(f"{name} {seconds / 60:.1f} min" for name, seconds in times.items())
-    epochs = (args.dense_steps + args.finetune_steps) * tokens_per_step / train_tokens
-    perplexity = math.exp(results["moe"][0])
-    flops_rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |"
-                           for seed, m, d in zip(seeds, results["moe"], equal_flops, strict=True))
-    rows = "\n".join(f"| {seed} | {m:.4f} | {d:.4f} | {m - d:+.4f} |"
-                     for seed, m, d in zip(seeds, results["moe"], results["dense"], strict=True))
-    quick = "\n*`--quick`: tiny models and a few steps, a check that every stage runs; the numbers are not a result.*\n"
-    moe_row = f"{_millions(moe_total)} ({moe_total / dense_total:.2f}x) | {_millions(moe_active)} ({moe_active / dense_total:.2f}x)"
-    exact = "equal up to float32 rounding" if gap < 1e-4 else "NOT equal: upcycling went wrong"
-    report = f"""# hf-ppmoe demo
-{quick if args.quick else ""}
-## Data
-
-The Python language reference that ships with CPython (`pydoc_data.topics`, no download: {len(corpus)} topics,
-{distinct} distinct texts). **Held-out set**: every {HELD_OUT_EVERY}th distinct topic in alphabetical order, from the first:
-{", ".join(f"`{n}`" for n in held_names)} ({len(held_texts)} topics, {held_out.numel():,} tokens in
-{len(held_out)} blocks of {args.block_size}). No model trains on them, the tokenizer (byte-level BPE, {len(tokenizer)}
-tokens) is fitted without them, and every loss below called "held-out" is the next-token cross-entropy (nats per
-token, router losses excluded) on these blocks. The other {len(train_texts)} topics ({train_tokens:,} tokens) are the
-training set; steps are {args.batch_size} sequences of {args.block_size} tokens.
-
-## Models
-
-| model | parameters | active per token |
-|---|---|---|
-| dense GPT-2, {args.num_layers} layers, hidden {args.hidden_size} | {_millions(dense_total)} | {_millions(dense_total)} |
-| upcycled GPT-MoE, {args.num_experts} experts top-{k} in {layers} | {moe_row} |
-| dense GPT-2, FFN {wide} wide (the MoE's active parameters) | {_millions(wide_total)} | {_millions(wide_total)} |
-
-Upcycling copies the dense FFN into every expert and adds a router per MoE layer: {gate}. The router starts random
-(`router_init="random"`, seed {args.seed}) and learns which experts to use during fine-tuning; while the experts are
-identical copies whose weights sum to 1, the MoE computes the dense model's function whatever the router picks: max
-|logit difference| between the fresh MoE and the dense model on {len(probe)} held-out blocks = {gap:.2e} ({exact}).
-
-## Equal FLOPs per token: the MoE against a dense model of its active parameters
-
-The papers' comparison. A GPT-2 whose FFN is {wide} wide has the upcycled MoE's active parameters per token (router
-aside: {_millions(wide_total)} against {_millions(moe_active)}); it trains from scratch for {total_steps} steps, as many
-as the MoE saw in pre-training and fine-tuning, with each seed's data order. Per token both compute the same; over the
-run the dense model computes more, since the MoE's first {args.dense_steps} steps were the small dense model's:
-
-| seed | MoE held-out loss | dense (equal active parameters) held-out loss | MoE minus dense |
-|---|---|---|---|
-{flops_rows}
-
-{flops_verdict} Speed (median step, CPU proxy): MoE {speed['moe']:,.0f} tokens/s, dense with the MoE's active
-parameters {speed['equal-flops']:,.0f} tokens/s.
-
-## Dense pre-training, then fine-tuning both models
-
-The dense model trains {args.dense_steps} steps (held-out loss {dense_eval:.4f}). From there, the upcycled MoE and the
-dense model each train {args.finetune_steps} more steps with the same schedule on the same batches, once per
-data-order seed:
-
-| seed | MoE held-out loss | dense held-out loss | MoE minus dense |
-|---|---|---|---|
-{rows}
-
-{verdict}
-
-Speed (median step of the fine-tuning runs above, the two models' runs interleaved on this machine, {os.cpu_count()}
-cores, 1-min load average {load_before:.1f} before and {load_after:.1f} after them): MoE {speed['moe']:,.0f} tokens/s,
-dense {speed['dense']:,.0f} tokens/s ({speed['moe'] / speed['dense']:.2f}x). The
-comparison is at equal steps and equal data, not at equal compute: the MoE computes with
-{moe_active / dense_total:.2f}x the dense model's active parameters per token.
-
-![training](training.png)
-
-Left: dense pre-training. Middle: the fine-tuning phase, mean over seeds (train loss as a 10-step moving average).
-Right: MoE minus dense on the same batch, per step (thin: each seed; thick: their mean, 10-step average) and on the
-held-out set (dots).
-
-## Where the tokens go
-
-Share of routes (tokens x {k}) that each expert receives in each MoE layer, on the held-out set; uniform would be
-{100 / args.num_experts:.1f}%. Freshly upcycled (random router): {100 * spread['init'][0]:.1f}% to
-{100 * spread['init'][1]:.1f}%; after fine-tuning: {100 * spread['tuned'][0]:.1f}% to {100 * spread['tuned'][1]:.1f}%.
-
-![expert share](expert_share.png)
-
-## Generation
-
-Flat beam search ({args.num_beams} beams, GShard appendix A.5) with the seed-{seeds[0]} MoE from "{PROMPT}":
-
-> {text!r}
-
-Identical to Transformers' beam search: {same}. Why it reads as it does: the model has {_millions(moe_total)}
-parameters, has seen the training set {epochs:.2g} times ({args.dense_steps + args.finetune_steps} steps), and its
-held-out perplexity is {perplexity:.0f} (exp of {results['moe'][0]:.4f}): on average it is as unsure of the next token
-as a uniform choice among {perplexity:.0f}. That is enough to pick up frequent words, markup and code fragments of the
-corpus, not to follow a thought, and beam search, which returns the most probable continuation, tends to favour generic
-and repeated phrases; no_repeat_ngram_size=3 (no three tokens twice) keeps it from looping.
-
-## Merging back into GPT-2
-
-The seed-{seeds[0]} MoE's experts merged into a plain `{type(merged).__name__}` (router-usage-weighted mean), the
-dense model's size again: held-out loss {merged_loss:.4f}, against {moe_loss:.4f} for the MoE it came from and
-{results['dense'][0]:.4f} for the dense model fine-tuned on the same batches. {merge_note}
-
-## Run time
-
-{minutes:.1f} minutes in all on {os.cpu_count()} cores (1-min load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at
-the end): {stage_times}.
-
-Folders: `data/` (training and held-out topics), `dense/` (GPT-2), `moe-init/` (upcycled),
-`finetune/moe-seedN/` and `finetune/dense-seedN/`, `equal-flops/dense-seedN/` (each with `logs/metrics.jsonl`), `merged/` (plain GPT-2, loads
-without hf_ppmoe).
-"""
-    (root / "report.md").write_text(report)
+    logs, first = results.comparison.logs, results.comparison.seeds[0]
+    plot_paired_runs({"MoE": logs["moe"], "dense": logs["dense"]}, root / "training.png", records(root, "dense"))
+    before = f"upcycled, before fine-tuning ({args.num_experts} experts, top-{args.num_experts_per_tok})"
+    after = f"after {args.finetune_steps} fine-tuning steps (seed {first})"
+    plot_expert_share({before: results.upcycled.shares, after: results.tuned_shares}, root / "expert_share.png")
+    minutes = clock.minutes()
+    (root / "report.md").write_text(report_markdown(args, results, clock, minutes))
     print(f"done in {minutes:.1f} min: report at {(root / 'report.md').resolve()} (plots: training.png, expert_share.png)")
     return root / "report.md"
+
+
+def run_demo(args: DemoArguments) -> Path:
+    """Run the demo's steps (the seq2seq demo with --seq2seq); returns the report's path."""
+    if args.quick:
+        args = dataclasses.replace(args, **QUICK)
+    if args.seq2seq:
+        from .demo_seq2seq import run_seq2seq_demo
+
+        return run_seq2seq_demo(args)
+    root = Path(args.output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    clock = Clock()
+    torch.manual_seed(args.seed)
+    data = prepare_data(args, root)
+    with clock.stage("dense pre-training"):
+        pretrained = pretrain_dense(args, root, data)
+    with clock.stage("upcycling"):
+        upcycled = upcycle_and_check(args, root, data)
+    with clock.stage("fine-tuning"):
+        comparison = finetune_and_compare(args, root)
+    with clock.stage("expert shares, generation, merging"):
+        moe, tuned_shares = measure_expert_shares(args, root, data, comparison)
+        generation = generate_text(args, data, moe)
+        merged = merge_back(args, root, data, comparison, moe)
+    results = DemoResults(data, pretrained, upcycled, comparison, tuned_shares, generation, merged)
+    return write_report(args, root, results, clock)

@@ -13,18 +13,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 from ..modeling import Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
-from .arguments import TrainArguments
 from .data import train_tokenizer
+from .demo_runs import Clock, data_order_seeds, median_tokens_per_second, records, train_run, write_jsonl
 from .stdlib_task import EVALUATION_FILES, stdlib_pairs
 from .tracking import _mean, _pyplot, _save, _smooth, curve, read_jsonl
-from .train import main as train
 
 MODELS = ("moe", "dense-active", "dense")  # the MoE, dense at its active parameters, dense at its width
 NAMES = {"moe": "MoE", "dense-active": "dense, equal active parameters", "dense": "dense, one expert wide"}
@@ -76,11 +73,11 @@ def run_seq2seq_demo(args) -> Path:
     --num_experts, --num_experts_per_tok; --seeds, --batch_size, --num_beams, --evaluations)."""
     root = Path(args.output_dir)
     (root / "data").mkdir(parents=True, exist_ok=True)
-    start, load = time.perf_counter(), os.getloadavg()
+    clock = Clock()
     print("[1/4] reading the standard library's functions and docstrings")
     train_pairs, held_pairs = stdlib_pairs(40 if args.quick else None)
-    for name, rows in (("train", train_pairs), ("held-out", held_pairs)):
-        (root / "data" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    write_jsonl(root / "data" / "train.jsonl", train_pairs)
+    write_jsonl(root / "data" / "held-out.jsonl", held_pairs)
     tokenizer = train_tokenizer([t for p in train_pairs for t in (p["source"], p["target"])])
     tokenizer.save_pretrained(root / "tokenizer")
     counts = {}
@@ -88,26 +85,21 @@ def run_seq2seq_demo(args) -> Path:
         _config(args, tokenizer, name).to_json_file(root / f"{name}.json")
         model = Seq2SeqMoEForConditionalGeneration(_config(args, tokenizer, name))
         counts[name] = (model.num_parameters(), model.num_active_parameters())
-    seeds = [args.seed + 1 + i for i in range(args.seeds)]
+    seeds = data_order_seeds(args)
     steps, pairs = args.finetune_steps, min(len(held_pairs), args.eval_pairs)
     print(f"[2/4] training {', '.join(MODELS)} for {steps} steps on the same batches, seeds {seeds}")
     results = {name: [] for name in MODELS}
     for seed in seeds:  # interleaved, so that a change in the machine's load hits every model alike
         for name in MODELS:
-            results[name].append(train(TrainArguments(
-                output_dir=str(root / f"{name}-seed{seed}"), config_name=str(root / f"{name}.json"),
-                tokenizer_name=str(root / "tokenizer"), train_file=[str(root / "data" / "train.jsonl")],
-                validation_file=[str(root / "data" / "held-out.jsonl")], max_steps=steps, seed=seed,
-                per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
-                warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // args.evaluations), eval_batches=0,
+            results[name].append(train_run(
+                args, root, f"{name}-seed{seed}", steps, seed, 1, config_name=str(root / f"{name}.json"),
                 max_source_length=args.block_size, max_target_length=32, generation_num_beams=args.num_beams,
-                generation_eval_pairs=pairs, logging_steps=1, plots=False,
-            )))
+                generation_eval_pairs=pairs,
+            ))
             r = results[name][-1]
             print(f"      seed {seed} {name}: held-out loss {r['eval/loss']:.4f}, chrF {r['eval/chrf']:.2f}, BLEU {r['eval/bleu']:.2f}")
-    logs = {name: [read_jsonl(root / f"{name}-seed{s}" / "logs" / "metrics.jsonl") for s in seeds] for name in MODELS}
-    speed = {name: statistics.median(v for r in runs for v in curve(r, "train/tokens_per_second")[1][1:])
-             for name, runs in logs.items()}
+    logs = {name: [records(root, f"{name}-seed{s}") for s in seeds] for name in MODELS}
+    speed = {name: median_tokens_per_second(runs) for name, runs in logs.items()}
     print("[3/4] plot and samples")
     _plot(logs, root / "training.png")
     samples = read_jsonl(root / f"moe-seed{seeds[0]}" / "logs" / "samples.jsonl")[:3]
@@ -127,7 +119,7 @@ def run_seq2seq_demo(args) -> Path:
                                                      for n in MODELS) + " |" for i, seed in enumerate(seeds))
     shown = "\n".join(f"- `{s['source'].splitlines()[0][:90]}` ...\n  - target: {s['target']}\n  - generated: {s['generated']!r}"
                       for s in samples)
-    minutes = (time.perf_counter() - start) / 60
+    minutes = clock.minutes()
     quick = "\n*`--quick`: tiny models, few steps and few training files: a check that every stage runs, not a result.*\n"
     report = f"""# hf-ppmoe demo --seq2seq
 {quick if args.quick else ""}
@@ -146,7 +138,7 @@ hidden size {args.hidden_size}, {args.num_layers} encoder and {args.num_layers} 
 {args.num_experts} experts of width {2 * args.hidden_size}, top-{args.num_experts_per_tok} (dropless). Held-out loss: cross-entropy per target
 token; chrF and BLEU (sacrebleu) of GShard flat beam search outputs ({args.num_beams} beams) for the first {pairs}
 held-out pairs. Mean ± standard deviation over the seeds; tokens/s: median step, CPU proxy ({os.cpu_count()} cores,
-shared; 1-min load average {load[0]:.1f} at the start).
+shared; 1-min load average {clock.load[0]:.1f} at the start).
 
 | model | parameters | active per token | held-out loss | chrF | BLEU | tokens/s |
 |---|---|---|---|---|---|---|
@@ -170,7 +162,7 @@ Per seed, held-out loss / chrF:
 
 ## Run time
 
-{minutes:.1f} minutes on {os.cpu_count()} cores (1-min load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at
+{minutes:.1f} minutes on {os.cpu_count()} cores (1-min load average {clock.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at
 the end). Folders: `data/`, `tokenizer/`, `<model>-seed<N>/` (model, card, `logs/metrics.jsonl`, `logs/samples.jsonl`).
 """
     (root / "report.md").write_text(report)
