@@ -42,6 +42,7 @@ from ..modeling.loss import lm_loss_of
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
+from ..utils.chat_template import chat_template_text
 from ..utils.model_card import training_card, write_card
 from .arguments import TrainArguments
 from .block_data import load_data
@@ -194,6 +195,8 @@ def setup(args: TrainArguments) -> Run:
         tokenizer = load_tokenizer(args, [*train_pairs["source"], *train_pairs["target"]])
     else:
         tokenizer = load_tokenizer(args)
+    if args.chat_template is not None:  # saved with the tokenizer into every output folder (`hf-ppmoe serve`)
+        tokenizer.chat_template = chat_template_text(args.chat_template)
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)

@@ -16,7 +16,7 @@ from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15, 16], [17, 18, 19, 20, 21]]
 NEW_TOKENS = 6
 # a small paged cache: Transformers sizes the default one for an accelerator (8192 tokens a batch), slow on a CPU
-SMALL_CACHE = dict(num_blocks=16, max_batch_tokens=64, block_size=16)
+SMALL_CACHE = dict(num_blocks=16, max_batch_tokens=64, page_size=16)
 
 
 def greedy(**extra) -> GenerationConfig:
