@@ -9,8 +9,9 @@ What this module adds to `transformers serve`, and nothing else:
   (`hf_ppmoe.utils.transformers_private.expose_on_transformers`);
 - a chat request to a model whose tokenizer has no chat template answers HTTP 400 naming the fix, where Transformers'
   handler fails inside `apply_chat_template` with a 500 (`ChatCompletions`);
-- continuous batching on by default for decoder-only models (Transformers' continuous batching is decoder-only: a
-  Seq2Seq-MoE is served by `generate`), with a paged cache sized for the device (`cache_config`).
+- continuous batching on by default, with a paged cache sized for the device (`cache_config`);
+- a clear refusal for an encoder-decoder (Seq2Seq-MoE), which Transformers' server does not handle
+  (`SEQ2SEQ_NOT_SERVED`).
 
 Router statistics are not part of the OpenAI protocol: a user who wants them calls `model.generate(...,
 output_router_logits=True, return_dict_in_generate=True)` in Python (docs/generation.md).
@@ -30,6 +31,12 @@ NO_CHAT_TEMPLATE = (
     "/v1/completions with a plain prompt, or give the folder a template: `hf-ppmoe upcycle ... --chat_template chatml` "
     "(or a .jinja file), or `hf_ppmoe.utils.chat_template.write_chat_template(folder, 'chatml')`."
 )
+SEQ2SEQ_NOT_SERVED = (
+    "{model} is an encoder-decoder (Seq2Seq-MoE): Transformers' server (5.24) handles decoder-only models (its "
+    "completion handlers cut the prompt's length off the generated sequence, which for an encoder-decoder holds the "
+    "decoder's tokens only, and its continuous batching has no place for an encoder's output). Generate with "
+    "model.generate(...) in Python (docs/seq2seq.md)."
+)
 # Transformers sizes the default paged cache for an accelerator (8192 tokens a batch and an attention mask to match):
 # on a CPU that mask alone makes every step slow, so a CPU server starts with a small cache unless told otherwise
 CPU_CACHE = dict(num_blocks=64, max_batch_tokens=256, page_size=32)
@@ -42,7 +49,7 @@ class ServeArguments:
     model: str = field(metadata={"help": "Folder (or Hub id) written by save_pretrained / hf-ppmoe upcycle|train."})
     host: str = field(default="localhost", metadata={"help": "Listen address (127.0.0.1 / localhost: this machine only)."})
     port: int = field(default=8000, metadata={"help": "Listen port."})
-    continuous_batching: bool = field(default=True, metadata={"help": "Continuous batching with a paged cache (decoder-only models)."})
+    continuous_batching: bool = field(default=True, metadata={"help": "Continuous batching with a paged cache."})
     device: str = field(default="auto", metadata={"help": "Device: auto, cpu, cuda:0, ..."})
     dtype: str = field(default="auto", metadata={"help": "Weights' dtype: auto (as saved), bfloat16, float32, ..."})
     attn_implementation: str | None = field(default=None, metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2, ..."})
@@ -104,8 +111,10 @@ def build_app(args: ServeArguments):
     from transformers.utils import logging
 
     expose_model_classes()
+    if not is_decoder_only(args.model):
+        raise ValueError(SEQ2SEQ_NOT_SERVED.format(model=args.model))
     logging.get_logger("transformers").setLevel(logging.log_levels[args.log_level.lower()])
-    batching = args.continuous_batching and is_decoder_only(args.model)
+    batching = args.continuous_batching
     manager = ModelManager(
         device=args.device,
         dtype=args.dtype,
