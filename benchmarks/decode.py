@@ -7,8 +7,10 @@ Workload: 1, 8 and 32 requests, prompts of mixed lengths (8 to 96 tokens, fixed 
 generating exactly --new-tokens tokens. Reported per setting: generated tokens/s (all requests' new tokens over the
 wall time of the call) and time to first token (TTFT: from the call to a request's first generated token; for
 `generate` every request of the batch gets it at the first step, for continuous batching the mean over requests,
-from `record_timestamps`). Each variant runs --rounds times after one warm-up; the median is reported. Every
-variant's tokens are checked equal to `generate`'s, request by request.
+from `record_timestamps`). The four variants (2 models x 2 modes) run once per round in a rotating order, --rounds
+rounds after a warm-up round; medians are reported, and "vs generate" is the median of the per-round ratios of a
+model's two modes, so load from other processes cancels out. Every variant's tokens are checked equal to
+`generate`'s, request by request.
 
 Shape: 4 layers, hidden 256, 8 heads (4 key/value heads, head_dim 32, per-head q/k norm), an MoE in every layer of
 8 experts of inner size 256, top-2 with renormalised weights, vocab 1024; float32.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -104,30 +107,36 @@ def _sync(model):
         torch.cuda.synchronize()
 
 
-def measure(name, model, n, args, cache):
+def measure(models: dict, n: int, args, cache: dict) -> list[dict]:
+    """Every variant (model x mode) once per round, in an order that rotates each round, after one warm-up round:
+    load from other processes falls on all variants alike, and each "vs generate" is the median of per-round ratios."""
     batch = prompts(n)
-    rows = {}
-    for mode in ("generate", "continuous batching"):
-        runner = (lambda: run_generate(model, batch, args.new_tokens)) if mode == "generate" else (
-            lambda: run_batch(model, batch, args.new_tokens, cache))
-        runner()  # warm-up
-        results = [runner() for _ in range(args.rounds)]
-        walls, ttfts = [r[1] for r in results], [r[2] for r in results]
-        rows[mode] = dict(tokens=results[0][0], wall_s=statistics.median(walls), ttft_s=statistics.median(ttfts))
-    same = rows["generate"]["tokens"] == rows["continuous batching"]["tokens"]
-    out = []
-    for mode, row in rows.items():
-        generated = n * args.new_tokens
-        out.append(dict(model=name, requests=n, mode=mode, tokens_per_s=generated / row["wall_s"],
-                        ttft_ms=1000 * row["ttft_s"], wall_s=row["wall_s"], same_tokens_as_generate=same,
-                        prompt_tokens=sum(map(len, batch))))
-    return out
+    variants = [(name, mode) for name in models for mode in ("generate", "continuous batching")]
+    runs = {v: [] for v in variants}
+    for round_ in range(args.rounds + 1):
+        for name, mode in variants[round_ % len(variants):] + variants[:round_ % len(variants)]:
+            model = models[name]
+            result = run_generate(model, batch, args.new_tokens) if mode == "generate" else (
+                run_batch(model, batch, args.new_tokens, cache))
+            if round_:
+                runs[(name, mode)].append(result)
+    rows, generated = [], n * args.new_tokens
+    for name, mode in variants:
+        results, base = runs[(name, mode)], runs[(name, "generate")]
+        rows.append(dict(
+            model=name, requests=n, mode=mode, prompt_tokens=sum(map(len, batch)),
+            tokens_per_s=generated / statistics.median(r[1] for r in results),
+            ttft_ms=1000 * statistics.median(r[2] for r in results),
+            vs_generate=statistics.median(g[1] / r[1] for g, r in zip(base, results)),
+            same_tokens_as_generate=all(r[0] == base[0][0] for r in results),
+        ))
+    return rows
 
 
 def machine() -> dict:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), uptime=load, python=platform.python_version(),
-                torch=torch.__version__, transformers=transformers.__version__, cpu_count=torch.get_num_threads())
+                torch=torch.__version__, transformers=transformers.__version__, cpu_count=os.cpu_count())
 
 
 def main():
@@ -145,16 +154,16 @@ def main():
     info = machine() | dict(device=args.device, threads=args.threads, rounds=args.rounds, new_tokens=args.new_tokens,
                             paged_cache=cache or "Transformers' default")
     rows = []
+    models = {name: build(name, args.device) for name in ("gpt_moe", "qwen3_moe")}
     for n in args.requests:
-        for name in ("gpt_moe", "qwen3_moe"):  # interleaved per batch size: the same machine state for both
-            rows += measure(name, build(name, args.device), n, args, cache)
+        rows += measure(models, n, args, cache)
     print(f"{info['date']}; {info['uptime']}; torch {info['torch']}, transformers {info['transformers']}; "
           f"{args.device}, {args.threads} thread(s), {args.rounds} rounds, {args.new_tokens} new tokens per request")
-    print("\n| model | requests | mode | tokens/s | TTFT (ms) | same tokens as generate |")
-    print("|---|---|---|---|---|---|")
+    print("\n| model | requests | mode | tokens/s | vs generate | TTFT (ms) | same tokens as generate |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['requests']} | {r['mode']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']:.0f} | "
-              f"{'yes' if r['same_tokens_as_generate'] else 'NO'} |")
+        print(f"| {r['model']} | {r['requests']} | {r['mode']} | {r['tokens_per_s']:.1f} | {r['vs_generate']:.2f}x | "
+              f"{r['ttft_ms']:.0f} | {'yes' if r['same_tokens_as_generate'] else 'NO'} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(machine=info, rows=rows), f, indent=1)

@@ -27,7 +27,7 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
 
         try:
             serve(args)
-        except ValueError as err:  # refused before listening (an encoder-decoder model)
+        except ValueError as err:  # refused before listening (an encoder-decoder model, no serving extra)
             print(f"hf-ppmoe serve: error: {err}", file=sys.stderr)
             return 2
         return 0

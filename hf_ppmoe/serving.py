@@ -8,7 +8,7 @@ What this module adds to `transformers serve`, and nothing else:
   `expose_model_classes` puts GPTMoEForCausalLM and Seq2SeqMoEForConditionalGeneration on the `transformers` module
   (`hf_ppmoe.utils.transformers_private.expose_on_transformers`);
 - a chat request to a model whose tokenizer has no chat template answers HTTP 400 naming the fix, where Transformers'
-  handler fails inside `apply_chat_template` with a 500 (`ChatCompletions`);
+  handler fails inside `apply_chat_template` with a 500 (`chat_completions_handler`);
 - continuous batching on by default, with a paged cache sized for the device (`cache_config`);
 - a clear refusal for an encoder-decoder (Seq2Seq-MoE), which Transformers' server does not handle
   (`SEQ2SEQ_NOT_SERVED`).
@@ -19,10 +19,8 @@ output_router_logits=True, return_dict_in_generate=True)` in Python (docs/genera
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-
-# importable without the serving extra (fastapi, uvicorn, openai): Transformers guards those imports itself
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
 
 from .utils.chat_template import CHAT_TEMPLATES, write_chat_template
 
@@ -44,7 +42,8 @@ CPU_CACHE = dict(num_blocks=64, max_batch_tokens=256, page_size=32)
 
 @dataclass
 class ServeArguments:
-    """`hf-ppmoe serve MODEL [options]`; the options are `transformers serve`'s of the same name."""
+    """`hf-ppmoe serve MODEL [options]`; the options are those of `transformers serve` (`--cb_page_size`: its
+    `--cb-block-size`, by the name its cache config uses now)."""
 
     model: str = field(metadata={"help": "Folder (or Hub id) written by save_pretrained / hf-ppmoe upcycle|train."})
     host: str = field(default="localhost", metadata={"help": "Listen address (127.0.0.1 / localhost: this machine only)."})
@@ -100,7 +99,7 @@ def _has_accelerator() -> bool:
 
 def build_app(args: ServeArguments):
     """Transformers' FastAPI app (`transformers.cli.serving.server.build_server`) with its own model manager,
-    generation state and handlers, pinned to `args.model`; chat requests go through `ChatCompletions`."""
+    generation state and handlers, pinned to `args.model`; chat requests go through `chat_completions_handler()`."""
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.response import ResponseHandler
@@ -126,7 +125,7 @@ def build_app(args: ServeArguments):
     state = GenerationState(continuous_batching=batching, compile=False, cb_config=cache_config(args) if batching else None)
     return build_server(
         manager,
-        ChatCompletions(manager, state),
+        chat_completions_handler()(manager, state),
         completion_handler=CompletionHandler(manager, state),
         response_handler=ResponseHandler(manager, state),
         transcription_handler=TranscriptionHandler(manager, state),
@@ -135,22 +134,32 @@ def build_app(args: ServeArguments):
     )
 
 
-class ChatCompletions(ChatCompletionHandler):
+@functools.cache
+def chat_completions_handler() -> type:
     """Transformers' handler of /v1/chat/completions, answering 400 with `NO_CHAT_TEMPLATE` for a tokenizer without a
-    chat template (its own handler raises inside `apply_chat_template`: a 500)."""
+    chat template (its own handler raises inside `apply_chat_template`: a 500). Built on first use, so that
+    `hf-ppmoe serve --help` answers before torch and Transformers are imported."""
+    from fastapi import HTTPException
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
 
-    async def handle_request(self, body: dict, request_id: str):
-        from fastapi import HTTPException
+    class ChatCompletions(ChatCompletionHandler):
+        async def handle_request(self, body: dict, request_id: str):
+            self._validate_request(body)
+            _, _, processor = self._resolve_model(dict(body))  # loaded once, then cached by the model manager
+            if getattr(processor, "chat_template", None) is None:
+                raise HTTPException(status_code=400, detail=NO_CHAT_TEMPLATE)
+            return await super().handle_request(body, request_id)
 
-        self._validate_request(body)
-        _, _, processor = self._resolve_model(dict(body))  # loaded once, then cached by the model manager
-        if getattr(processor, "chat_template", None) is None:
-            raise HTTPException(status_code=400, detail=NO_CHAT_TEMPLATE)
-        return await super().handle_request(body, request_id)
+    return ChatCompletions
 
 
 def serve(args: ServeArguments) -> None:
-    """Run the server until interrupted (Ctrl-C, SIGTERM)."""
+    """Run the server until interrupted (Ctrl-C, SIGTERM). ValueError: refused before listening."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise ValueError("serving needs fastapi, uvicorn, openai and pydantic (Transformers' `serving` extra): "
+                         "pip install -e '.[serve]' in the clone, or pip install 'transformers[serving]'.")
     import uvicorn
 
     if args.host not in ("localhost", "127.0.0.1", "::1"):

@@ -19,8 +19,8 @@ from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
 
-openai = pytest.importorskip("openai", reason="the serving extra: pip install 'hf-ppmoe[serve]'")
-pytest.importorskip("fastapi", reason="the serving extra: pip install 'hf-ppmoe[serve]'")
+openai = pytest.importorskip("openai", reason="the serving extra: pip install -e '.[serve]'")
+pytest.importorskip("fastapi", reason="the serving extra: pip install -e '.[serve]'")
 
 MAX_TOKENS = 8
 START_TIMEOUT_S = 240  # import + model load on a busy two-core machine
