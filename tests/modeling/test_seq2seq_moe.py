@@ -248,7 +248,7 @@ SAVE_AND_COMPARE = """
 import sys, torch
 {blocker}
 from transformers import AutoModelForSeq2SeqLM
-model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code={trust}).eval()
+model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code={trust}{load_kwargs}).eval()
 ids, labels, logits, tokens = torch.load(sys.argv[2])
 assert type(model).__module__.startswith({module!r}), type(model).__module__
 assert model.lm_head.weight is model.model.shared.weight, "head no longer tied"
@@ -272,8 +272,10 @@ def test_save_load_round_trip_in_a_fresh_process_without_hf_ppmoe(tmp_path):
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert {"config.json", "model.safetensors", "modeling_seq2seq_moe.py", "configuration_seq2seq_moe.py",
             "moe_layer.py", "moe_gates.py", "common.py"} <= files
+    # the experts' kernel is a run-time choice, as the attention's (not in config.json): asked for again on loading
     script = SAVE_AND_COMPARE.format(
-        blocker="sys.modules['hf_ppmoe'] = None  # hf_ppmoe cannot be imported", trust=True, module="transformers_modules"
+        blocker="sys.modules['hf_ppmoe'] = None  # hf_ppmoe cannot be imported", trust=True, module="transformers_modules",
+        load_kwargs=", experts_implementation='einsum'",
     )
     result = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")],
