@@ -69,6 +69,21 @@ def test_generate_batch_equals_generate(gate, style):
     assert generate_padded(model, PROMPTS) == expected  # the padded batch of `generate` agrees too
 
 
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_sliding_window_under_every_cache(cache):
+    """A window shorter than the prompts: the paged cache's sliding allocator, and `generate` with a static and a
+    dynamic cache, all through the same `cache.update(..., kwargs=kwargs)`."""
+    torch.manual_seed(0)
+    model = GPTMoEForCausalLM(tiny_gpt_config(sliding_window=4)).eval()
+    expected = [generate_alone(model, p) for p in PROMPTS]
+    assert batch_outputs(model, PROMPTS) == expected
+    for prompt, tokens in zip(PROMPTS, expected):
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy(),
+                             cache_implementation=cache)
+        assert out[0, len(prompt):].tolist() == tokens
+
+
 def test_generate_batch_leaves_the_attention_implementation_as_it_was():
     model = GPTMoEForCausalLM(tiny_gpt_config()).eval()
     before = model.config._attn_implementation
