@@ -74,7 +74,7 @@ def test_models_seq2seq_config_states_its_head_dim():
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.5])
-def test_models_einsum_dispatch_keeps_a_non_finite_input_in_its_token(capacity_factor):
+def test_models_einsum_experts_keep_a_non_finite_input_in_its_token(capacity_factor):
     outputs = {}
     for implementation in ("index", "einsum"):
         torch.manual_seed(0)
