@@ -19,10 +19,10 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
 
         return megatron_main(rest, prog="hf-ppmoe megatron")
     if command == "demo":
-        from .training.demo_arguments import DemoArguments
+        from .demo.arguments import DemoArguments
 
         args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=description)
-        from .training.demo import run_demo  # torch: after the flags were checked
+        from .demo.gpt import run_demo  # torch: after the flags were checked
 
         run_demo(args)
         return 0
