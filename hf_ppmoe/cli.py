@@ -19,7 +19,7 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
 
         return megatron_main(rest, prog="hf-ppmoe megatron")
     if command == "demo":
-        from .demo.arguments import DemoArguments
+        from .demo.options import DemoArguments
 
         args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=description)
         from .demo.gpt import run_demo  # torch: after the flags were checked

@@ -8,4 +8,4 @@ from ..utils.lazy import lazy_names
 
 __all__ = ["DemoArguments", "run_demo"]
 
-__getattr__, __dir__ = lazy_names(__name__, {"DemoArguments": "arguments", "run_demo": "gpt"})
+__getattr__, __dir__ = lazy_names(__name__, {"DemoArguments": "options", "run_demo": "gpt"})

@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 from ..conversion import merge_experts
 from ..generation import flat_beam_search
 from ..moe.layer import MoELayer
-from .arguments import DemoArguments
+from .options import DemoArguments
 from .plots import plot_comparison, plot_expert_share, spread
 from .protocol import (
     CPU, DEMO_TRAIN_BYTES, HELD_OUT_EVERY, QUICK, SCRATCH_ARMS, UPCYCLE_ARMS, evaluate, held_out_blocks, upcycle_from,

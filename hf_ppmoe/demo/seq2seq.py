@@ -28,7 +28,6 @@ from ..training.train import main as train
 from .plots import mean_curve, moving_average, pyplot, save
 from .runs import Clock
 
-LEARNING_RATE = 2e-3  # peak, every model alike
 QUICK = dict(finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2, num_experts=4,
              num_beams=2, evaluations=2, eval_pairs=4)
 MODELS = ("moe", "dense-active", "dense")  # the MoE, dense at its active parameters, dense at its width
@@ -53,7 +52,7 @@ def train_run(args, root: Path, out: str, steps: int, seed: int, logging_steps: 
         TrainArguments(
             output_dir=str(root / out), tokenizer_name=str(root / "tokenizer"), max_steps=steps,
             train_file=[str(root / "data" / "train.jsonl")], validation_file=[str(root / "data" / "held-out.jsonl")],
-            per_device_train_batch_size=args.batch_size, learning_rate=LEARNING_RATE,
+            per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
             warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // args.evaluations), eval_batches=0, seed=seed,
             logging_steps=logging_steps, plots=False, **options,
         )

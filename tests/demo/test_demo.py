@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from hf_ppmoe_cli import main as cli
-from hf_ppmoe.demo.arguments import DemoArguments
+from hf_ppmoe.demo.options import DemoArguments
 from hf_ppmoe.demo.protocol import CPU, QUICK, SCRATCH_ARMS, evaluate, flops_per_token, held_out_blocks, windows
 from hf_ppmoe.demo.report import judge, report_markdown, sentence
 from hf_ppmoe.demo.runs import load_data, run_arm

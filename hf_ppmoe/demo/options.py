@@ -26,6 +26,7 @@ class DemoArguments:
     num_layers: int = field(default=4, metadata={"help": "--seq2seq: encoder and decoder layers."})
     num_experts: int = field(default=8, metadata={"help": "--seq2seq: experts per MoE layer."})
     num_experts_per_tok: int = field(default=2, metadata={"help": "--seq2seq: experts each token is routed to (top-k)."})
+    learning_rate: float = field(default=2e-3, metadata={"help": "--seq2seq: peak learning rate of every model."})
     evaluations: int = field(default=5, metadata={"help": "--seq2seq: held-out evaluations per training run."})
     eval_pairs: int = field(default=100, metadata={"help": "--seq2seq: held-out pairs generated for chrF / BLEU."})
 
@@ -35,6 +36,8 @@ class DemoArguments:
                      "num_experts_per_tok", "evaluations", "eval_pairs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if not self.learning_rate > 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0 (0: one per CPU core), got {self.workers}.")
         if self.seed < 0:
