@@ -19,7 +19,7 @@ ep_implementation="ppmoe")` (through Transformers' expert-parallel dispatch).
 
 from . import expert_parallel  # registers the "ppmoe" plan styles and expert-parallel implementation
 from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad
-from .data_parallel import clip_grad_norm_, fully_shard_model, state_bytes
+from .fsdp import clip_grad_norm_, fully_shard_model, state_bytes
 from .expert_parallel import AllToAllDispatcher, PPMoEDispatcher, PPMoEExperts
 from .mesh import ExpertMesh, batch_mesh, expert_mesh, init_distributed, make_mesh
 from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, Seq2SeqMoEStage, split_layers
