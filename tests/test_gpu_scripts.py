@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(os.name != "posix", reason="bash scripts")
 
 
 def gpu_check(*args, timeout=120):
-    """`timeout` only guards against a hang; what a test checks never depends on it."""
+    """`timeout` (seconds, None: none) only guards against a hang; what a test checks never depends on it."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2")}
     return subprocess.run(["bash", str(CHECK), *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
@@ -33,7 +33,7 @@ def test_cpu_dry_run_writes_a_complete_report(tmp_path):
     runs every step without a time limit, so a busy machine makes the run slower, never incomplete."""
     report = tmp_path / "report.md"
     run = gpu_check("--device", "cpu", "--no-compile", "--sections", "training decode", "--wheels",
-                    str(tmp_path / "none"), "--out", str(report), "--budget", "0", timeout=1800)
+                    str(tmp_path / "none"), "--out", str(report), "--budget", "0", timeout=None)
     assert run.returncode == 0, run.stderr
     text = report.read_text()
     assert "torch 2." in text and "transformers 5." in text and "import hf_ppmoe: ok" in text
