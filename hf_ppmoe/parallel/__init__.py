@@ -9,7 +9,7 @@ imports torch.distributed).
     parallelize(model, mesh["tp"], ep=expert_mesh(mesh, 4).ep)   experts over 4 ranks (> tp): all-to-all
 
 `print(model)` afterwards shows the modules each style changed (`PPMoEDispatcher`, `ExpertParallelExperts`,
-`TensorParallelLinear`, ...: modules.py). `hf_ppmoe.parallel.megatron_plugin` (imported on its own) is the Megatron-LM
+`TensorParallelLinear`, ...: modules.py). `hf_ppmoe.megatron` is the Megatron-LM
 backend through Accelerate.
 
 Transformers' own entry points use the same rules: `from_pretrained(path, distributed_config=DistributedConfig(
