@@ -15,7 +15,7 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
 
         return cli(rest, prog="hf-ppmoe train")
     if command == "megatron":
-        from .conversion.commands import megatron_main
+        from .megatron.__main__ import megatron_main
 
         return megatron_main(rest, prog="hf-ppmoe megatron")
     if command == "demo":

@@ -168,11 +168,11 @@ def conversion(root: Path) -> dict:
 
 
 def checkpoint(root: Path) -> dict:
-    """Training checkpoints (save_checkpoint) run out of space and killed after Accelerate wrote its state."""
+    """Training checkpoints (`Checkpointer.save`) run out of space and killed after Accelerate wrote its state."""
     from accelerate import Accelerator
 
     from hf_ppmoe.training.arguments import TrainArguments
-    from hf_ppmoe.training.train import find_checkpoint, save_checkpoint
+    from hf_ppmoe.training.checkpoints import Checkpointer, find_checkpoint
 
     accelerator = Accelerator(cpu=True)
     model = GPTMoEForCausalLM(tiny_gpt_config())
@@ -184,17 +184,17 @@ def checkpoint(root: Path) -> dict:
     folder = root / "run" / "checkpoints"
     listing = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
     record = {"run_id": "scenario"}  # what the checkpoint records of its run (hf_ppmoe.training.checkpoints)
+    checkpointer = Checkpointer(accelerator, args.output_dir, record)
 
-    save_checkpoint(accelerator, args, 2, record)
-    report = {"full_disk_error": out_of_space(lambda: save_checkpoint(accelerator, args, 4, record)),
-              "after_full_disk": listing()}
-    report["signal"] = killed(signal.SIGKILL, lambda: save_checkpoint(accelerator, args, 4, record),
+    checkpointer.save(2)
+    report = {"full_disk_error": out_of_space(lambda: checkpointer.save(4)), "after_full_disk": listing()}
+    report["signal"] = killed(signal.SIGKILL, lambda: checkpointer.save(4),
                               after=(accelerator, "save_state"))
     report["after_kill"] = listing()
     latest = find_checkpoint(args)
     accelerator.load_state(str(latest))
     report["resumes_from"] = latest.name
-    save_checkpoint(accelerator, args, 6, record)  # a later save, as the resumed run makes
+    checkpointer.save(6)  # a later save, as the resumed run makes
     report["after_next_save"] = listing()
     return report
 

@@ -2,9 +2,9 @@
 
 Accelerate reads only the Transformers model's config and builds a fresh megatron-core `GPTModel` (local layer spec,
 experts on the tensor-parallel group: the PPMoE layout); weights travel through
-`hf_ppmoe.conversion.megatron_checkpoint`. Needs CUDA and a Megatron-LM source checkout on PYTHONPATH:
+`hf_ppmoe.megatron.weights`. Needs CUDA and a Megatron-LM source checkout on PYTHONPATH:
 
-    import hf_ppmoe.parallel.megatron_plugin as hm              # also registers the "gpt_moe" config parser
+    import hf_ppmoe.megatron.plugin as hm                     # also registers the "gpt_moe" config parser
     plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, context_parallel_size=1, num_micro_batches=4,
                               custom_model_provider_function=hm.model_provider(model.config),
                               custom_train_step_class=hm.GPTMoETrainStep,
