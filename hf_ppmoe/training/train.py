@@ -39,6 +39,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..modeling.loss import lm_loss_of
+from ..moe.balance import LoadBalancer
 from ..parallel.checkpoint import load_distributed_checkpoint
 from ..parallel.data_parallel import set_gradient_sync
 from ..utils.atomic import atomic_folder
@@ -149,6 +150,7 @@ class Run:
     sharded: tuple | None = None  # (model, optimizer, stage) that Accelerate does not hold
     start_step: int = 0
     changes: dict = field(default_factory=dict)
+    balancer: LoadBalancer | None = None  # per-step bias balancing and global-batch balance (hf_ppmoe.moe.balance)
     no_target: torch.Tensor = field(init=False)  # micro-batches without a target since the last log (on the device)
 
     def __post_init__(self):
@@ -211,7 +213,7 @@ def setup(args: TrainArguments) -> Run:
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
     model.train()
-    monitor = RouterMonitor(model)
+    monitor, balancer = RouterMonitor(model), LoadBalancer(model)
     model, pipe = split_model(model, args, dp, monitor)  # with tp/pp/fsdp/ep sizes: see parallel_setup.py
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
@@ -227,7 +229,9 @@ def setup(args: TrainArguments) -> Run:
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
     run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, pipe,
-              sharded=sharded, changes=changes)
+              sharded=sharded, changes=changes, balancer=balancer)
+    if balancer.layers:  # its global-batch fractions are training state (the bias is saved with the model)
+        accelerator.register_for_checkpointing(balancer)
     if checkpoint is not None:
         load_checkpoint(run, checkpoint)
         run.start_step = resume_step
@@ -275,6 +279,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
                     grad_norm = clip_grad_norm_(run.model, args.max_grad_norm, run.dp)
                     run.optimizer.step()
                     run.optimizer.zero_grad(set_to_none=True)
+    run.balancer.step(run.dp.reduce)  # the step's routes over all micro-batches and data-parallel processes
     run.scheduler.step()
     return run.dp.reduce(sums, reduction="mean"), grad_norm  # the same on every rank: all stop together
 
