@@ -189,3 +189,26 @@ def test_model_replay_with_recorded_ids_equals_the_normal_forward():
     torch.testing.assert_close(replayed.lm_loss, normal.lm_loss)
     with pytest.raises(ValueError, match="one \\[tokens, k\\] tensor per MoE layer"):
         model(ids, router_expert_ids=normal.router_expert_ids * 2)
+
+
+@pytest.mark.parametrize("settings", [
+    dict(router_score_function="sigmoid", num_expert_groups=2, topk_expert_groups=1, router_expert_bias=True,
+         routed_scaling_factor=2.5, router_aux_loss_scope="global_batch"),
+    dict(router_aux_loss_scope="sequence", capacity_factor=1.0),
+])
+def test_new_routing_trains_replays_and_balances_on_meta_without_host_reads(settings):
+    """On the `meta` device every host read raises: the new options' forward, backward, replay and the per-step
+    balancing stay on the device."""
+    from hf_ppmoe.moe import LoadBalancer
+
+    with torch.device("meta"):
+        model = GPTMoEForCausalLM(tiny_gpt_config(hidden_size=64, intermediate_size=128, **settings))
+    model = model.to(torch.bfloat16).train()  # bf16, as on a GPU (the experts take the grouped-GEMM kernel)
+    balancer = LoadBalancer(model)
+    ids = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    out = model(ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    replayed = model(ids, labels=ids, router_expert_ids=out.router_expert_ids)
+    replayed.loss.backward()
+    balancer.step()
+    assert out.loss.device.type == "meta" and replayed.loss.device.type == "meta"
