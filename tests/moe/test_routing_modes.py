@@ -173,15 +173,16 @@ def test_replay_routes_by_other_ids_and_the_gate_weights_still_learn():
 
 
 def test_model_replay_with_recorded_ids_equals_the_normal_forward():
-    """The model's forward takes `router_expert_ids` as `output_router_logits` returns them."""
+    """The model's forward takes `router_expert_ids` as `output_router_logits` returns them. Dropless (as inference
+    engines route): recorded after a capacity drop, a route is the sentinel and the kept ones are renormalised among
+    themselves (the gate test above replays the routes chosen before capacity)."""
     torch.manual_seed(0)
-    model = GPTMoEForCausalLM(tiny_gpt_config(num_hidden_layers=3, moe_layer_frequency=2, capacity_factor=1.0)).train()
+    model = GPTMoEForCausalLM(tiny_gpt_config(num_hidden_layers=3, moe_layer_frequency=2)).train()
     ids = torch.randint(3, 97, (2, 7))
     mask = torch.ones_like(ids)
     mask[0, :2] = 0
     normal = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
     assert len(normal.router_expert_ids) == 1
-    # recorded after capacity: replaying them keeps them (nothing more to drop)
     replayed = model(ids, attention_mask=mask, labels=ids, router_expert_ids=normal.router_expert_ids,
                      output_router_logits=True)
     assert torch.equal(replayed.router_expert_ids[0], normal.router_expert_ids[0])
@@ -212,3 +213,20 @@ def test_new_routing_trains_replays_and_balances_on_meta_without_host_reads(sett
     replayed.loss.backward()
     balancer.step()
     assert out.loss.device.type == "meta" and replayed.loss.device.type == "meta"
+
+
+def test_seq2seq_replay_per_stack_equals_the_normal_forward():
+    from helpers import tiny_seq2seq_config
+
+    from hf_ppmoe import Seq2SeqMoEForConditionalGeneration
+
+    torch.manual_seed(0)
+    model = Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config()).eval()  # no dropout
+    src, labels = torch.randint(3, 97, (2, 7)), torch.randint(3, 97, (2, 5))
+    normal = model(src, labels=labels, output_router_logits=True)
+    replayed = model(src, labels=labels, encoder_router_expert_ids=normal.encoder_router_expert_ids,
+                     decoder_router_expert_ids=normal.decoder_router_expert_ids, output_router_logits=True)
+    for a, b in zip(normal.decoder_router_expert_ids, replayed.decoder_router_expert_ids):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(replayed.logits, normal.logits)
+    torch.testing.assert_close(replayed.aux_loss, normal.aux_loss)
