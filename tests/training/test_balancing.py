@@ -159,3 +159,31 @@ def test_moe_trainer_updates_the_bias_after_every_optimizer_step(tmp_path):
     for ours, theirs in zip(gates(model), gates(reference)):
         torch.testing.assert_close(ours.expert_bias, theirs.expert_bias, rtol=0, atol=1e-7)
     assert json.dumps(trainer.state.log_history)  # logs as usual
+
+
+def test_load_metrics_max_over_mean_and_dead_experts():
+    """RouterMonitor's per-layer loads: counts sum to real tokens x k (dropless; padding excluded), the largest load
+    over the mean and the experts no route reached, as logged by the loop and the Trainer."""
+    from hf_ppmoe.training.tracking import RouterMonitor
+
+    torch.manual_seed(0)
+    model = GPTMoEForCausalLM(tiny_gpt_config(router_expert_bias=True)).train()
+    first = gates(model)[0]
+    with torch.no_grad():
+        first.expert_bias[3] = -100.0  # expert 3 of the first layer is never chosen
+    monitor = RouterMonitor(model)
+    ids = torch.randint(3, 97, (3, 8))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+    tokens = dict(monitor.tokens)
+    metrics = monitor.collect()
+    K = model.config.num_experts_per_tok
+    for (name, counts), routes in zip(tokens.items(), out.router_expert_ids):
+        short = name.removeprefix("model.").removesuffix(".mlp")
+        assert counts.sum().item() == int(mask.sum()) * K
+        expected = torch.stack([(routes == e).sum() for e in range(4)]).float()
+        assert torch.equal(counts, expected)
+        assert metrics[f"expert_load_max_over_mean/{short}"] == pytest.approx((expected.max() / expected.mean()).item())
+        assert metrics[f"dead_experts/{short}"] == int((expected == 0).sum())
+    assert metrics["dead_experts/layers.0"] == 1
