@@ -62,7 +62,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
 from hf_ppmoe.conversion import upcycle
 from hf_ppmoe.modeling.loss import lm_loss_of
-from hf_ppmoe.moe import MoELayer
+from hf_ppmoe.moe import LoadBalancer, MoELayer
 from hf_ppmoe.training.data import train_tokenizer
 from hf_ppmoe.training.tracking import RouterMonitor
 
@@ -196,6 +196,15 @@ ARMS = {
     "gshard_c2.0": ("gshard capacity 2.0, 16 x F/2", moe("gshard", 16, 2, capacity_factor=2.0)),
     "proto2": ("prototype k=2, 2 x 8 x F/2", moe("prototype", 16, 2)),
     "proto4": ("prototype k=4, 4 x 8 x F/4", moe("prototype", 32, 4)),
+    # balancing: as top2, only the balancing differs
+    "top2_seq": ("top2, sequence-level aux loss", moe("topk", 16, 2, router_aux_loss_scope="sequence")),
+    "top2_global": ("top2, global-batch aux loss (last step's counts)", moe("topk", 16, 2,
+                                                                            router_aux_loss_scope="global_batch")),
+    "top2_bias": ("top2, bias balancing, no aux loss", moe("topk", 16, 2, router_expert_bias=True,
+                                                           router_aux_loss_coef=0.0)),
+    "top2_sigmoid": ("top2 sigmoid scores, aux loss", moe("topk", 16, 2, router_score_function="sigmoid")),
+    "top2_sigmoid_bias": ("top2 sigmoid, bias balancing, no aux loss (DeepSeek-V3)", moe(
+        "topk", 16, 2, router_score_function="sigmoid", router_expert_bias=True, router_aux_loss_coef=0.0)),
 }
 UPCYCLE_ARMS = {
     "upcycle_dense": "dense checkpoint, continued dense",
@@ -270,6 +279,7 @@ def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str 
     val = data["val"]
     val_blocks = windows(val, torch.linspace(0, len(val) - s.block - 1, s.eval_blocks).long(), s.block)
     config, monitor = model.config, RouterMonitor(model)
+    LoadBalancer(model).step_with(optimizer)  # bias balancing / global-batch loss arms: after every optimizer step
     flops = flops_per_token(config, s.block)["train"]
     eval_at = {round(steps * i / s.evals) for i in range(s.evals + 1)}
     curve, train_loss, timed = [], torch.zeros((), device=s.device), {"steps": 0, "wall": 0.0, "cpu": 0.0}
@@ -290,6 +300,7 @@ def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str 
             if router:
                 point["expert_load_cv"] = statistics.mean(v for k, v in router.items() if k.startswith("expert_load"))
                 point["dropped"] = statistics.mean(v for k, v in router.items() if k.startswith("dropped"))
+                point["load_max_over_mean"] = statistics.mean(v for k, v in router.items() if k.startswith("load_max"))
             if not math.isfinite(point["val_loss"]):
                 raise RuntimeError(f"validation loss is {point['val_loss']} at step {step}: the run diverged")
             curve.append(point)
@@ -429,6 +440,11 @@ CLAIMS = [
     ("GShard capacity 2.0 beats 1.25", "gshard_c2.0", "gshard_c1.25"),
     ("upcycling beats continued dense training", "upcycle_moe", "upcycle_dense"),
     ("dense with the MoEs' parameters (8x FFN FLOPs there) beats top-2", "dense_wide", "top2"),
+    ("batch-level balance loss beats sequence-level (Qwen's global-batch direction)", "top2", "top2_seq"),
+    ("global-batch loss from the last step's counts matches or beats the batch's own", "top2_global", "top2"),
+    ("bias balancing without aux loss matches or beats the aux loss (softmax)", "top2_bias", "top2"),
+    ("sigmoid scores match or beat softmax (aux loss)", "top2_sigmoid", "top2"),
+    ("DeepSeek-V3 routing (sigmoid, bias, no aux loss) beats softmax with aux loss", "top2_sigmoid_bias", "top2"),
 ]
 
 

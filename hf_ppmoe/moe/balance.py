@@ -11,6 +11,8 @@ Legend: L MoE layers that need it, E experts.
         balancer.step()                         # one process
         balancer.step(reduce=sum_over(group))   # data parallel: hf_ppmoe.parallel.sum_over, one all-reduce per step
 
+or `balancer.step_with(optimizer, reduce)` once, to step after every `optimizer.step()` by itself.
+
 `step` sums the counts of every training forward since the last step (all micro-batches; `reduce` adds those of the
 other data-parallel processes, in ONE collective for all layers), then per layer:
 - `expert_bias += rate * sign(mean_e load - load)`, the update centred to mean zero (so a bias that starts at zero
@@ -109,6 +111,11 @@ class LoadBalancer:
                 fraction = torch.where(tokens > 0, assigned / tokens.clamp(min=1), gate.global_fraction.to(assigned.device))
                 gate.global_fraction.copy_(fraction)
         return counts
+
+    def step_with(self, optimizer: torch.optim.Optimizer, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """Run `step(reduce)` after every `optimizer.step()` (a post-step hook on that optimizer): the plain-loop
+        helper that needs no line in the loop. Returns the hook's handle (`.remove()` stops it)."""
+        return optimizer.register_step_post_hook(lambda *_: self.step(reduce))
 
     def state_dict(self) -> dict:
         state = {f"{name}.global_fraction": layer.gate.global_fraction for name, layer in self.layers.items()

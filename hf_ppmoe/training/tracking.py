@@ -64,7 +64,7 @@ class RouterMonitor:
             short = name.removeprefix("model.").removesuffix(".mlp")
             mean = tokens.mean().clamp(min=1e-9)
             metrics[f"expert_load_cv/{short}"] = (tokens.std(unbiased=False) / mean).item()
-            metrics[f"expert_load_max_over_mean/{short}"] = (tokens.max() / mean).item()
+            metrics[f"load_max_over_mean/{short}"] = (tokens.max() / mean).item()
             metrics[f"dead_experts/{short}"] = int((tokens == 0).sum())
             metrics[f"dropped_fraction/{short}"] = (reduce(self.dropped[name]) / reduce(torch.tensor(float(self.calls[name])))).item()
         self.reset()

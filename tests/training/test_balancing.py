@@ -184,6 +184,6 @@ def test_load_metrics_max_over_mean_and_dead_experts():
         assert counts.sum().item() == int(mask.sum()) * K
         expected = torch.stack([(routes == e).sum() for e in range(4)]).float()
         assert torch.equal(counts, expected)
-        assert metrics[f"expert_load_max_over_mean/{short}"] == pytest.approx((expected.max() / expected.mean()).item())
+        assert metrics[f"load_max_over_mean/{short}"] == pytest.approx((expected.max() / expected.mean()).item())
         assert metrics[f"dead_experts/{short}"] == int((expected == 0).sum())
     assert metrics["dead_experts/layers.0"] == 1
