@@ -187,3 +187,53 @@ def test_load_metrics_max_over_mean_and_dead_experts():
         assert metrics[f"load_max_over_mean/{short}"] == pytest.approx((expected.max() / expected.mean()).item())
         assert metrics[f"dead_experts/{short}"] == int((expected == 0).sum())
     assert metrics["dead_experts/layers.0"] == 1
+
+
+NEW_ROUTING = {
+    "sigmoid_groups_bias_global": dict(router_score_function="sigmoid", num_expert_groups=2, topk_expert_groups=1,
+                                       router_expert_bias=True, router_aux_loss_scope="global_batch",
+                                       routed_scaling_factor=2.0, router_bias_update_rate=0.05),
+    "sequence_scope_capacity": dict(router_aux_loss_scope="sequence", capacity_factor=1.0),
+}
+
+
+@pytest.mark.distributed(2)
+@pytest.mark.parametrize("name", NEW_ROUTING)
+def test_tensor_expert_parallel_new_routing_equals_one_process(name):
+    """TP + PPMoE over 2 ranks (every rank routes the same tokens) = one process, through optimizer steps with
+    balancing after each (no data-parallel reduce: the ranks see the same batch) and a replayed forward."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+    from equivalence import ATOL, batch, build, lm_step, max_diff
+
+    from hf_ppmoe.parallel import parallelize
+
+    settings = NEW_ROUTING[name]
+    ref = build(**settings)
+    model = parallelize(build(**settings), dist.group.WORLD)
+    balancers = [LoadBalancer(m) for m in (model, ref)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref)]
+    for step in range(3):
+        ids, mask, labels = batch(seed=step + 1)
+        loss, ref_loss = (lm_step(m, ids, mask, labels) for m in (model, ref))
+        assert loss == pytest.approx(ref_loss, abs=1e-5), step
+        assert max_diff(model, ref) < ATOL, step
+        for optimizer, balancer in zip(optimizers, balancers):
+            optimizer.step()
+            optimizer.zero_grad()
+            balancer.step()
+    for ours, theirs in zip(gates(model), gates(ref)):
+        if theirs.expert_bias is not None:
+            assert torch.equal(ours.expert_bias, theirs.expert_bias) and theirs.expert_bias.abs().sum() > 0
+    ids, mask, labels = batch(seed=9)
+    recorded = ref(input_ids=ids, attention_mask=mask, output_router_logits=True).router_expert_ids
+    replayed, ref_replayed = (m(input_ids=ids, attention_mask=mask, labels=labels, router_expert_ids=recorded)
+                              for m in (model, ref))
+    torch.testing.assert_close(replayed.loss, ref_replayed.loss, atol=1e-5, rtol=0)
+    if "capacity_factor" not in settings:  # dropless: replaying the recorded routes is the normal forward
+        normal = ref(input_ids=ids, attention_mask=mask, labels=labels)
+        torch.testing.assert_close(replayed.loss, normal.loss, atol=1e-5, rtol=0)
