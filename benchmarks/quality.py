@@ -49,10 +49,10 @@ from pathlib import Path
 import torch
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.demo.protocol import (  # the experiment's corpus, models, FLOP count and training loop
+from hf_ppmoe.demo.protocol import (  # noqa: F401 (the experiment's corpus, models, FLOPs and loop; the test reads them here)
     CPU, SCRATCH_ARMS, Setting, build as build_model, corpus as load_corpus, dense, flops_per_token, moe, parameters, split_files,
     stdlib_files, train, upcycle_from, windows,
-)  # noqa: F401 (the test reads flops_per_token, parameters, split_files, stdlib_files here)
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -83,6 +83,15 @@ ARMS = {
     "gshard_c2.0": ("gshard capacity 2.0, 16 x F/2", moe("gshard", 16, 2, capacity_factor=2.0)),
     "proto2": ("prototype k=2, 2 x 8 x F/2", moe("prototype", 16, 2)),
     "proto4": ("prototype k=4, 4 x 8 x F/4", moe("prototype", 32, 4)),
+    # balancing: as top2, only the balancing differs
+    "top2_seq": ("top2, sequence-level aux loss", moe("topk", 16, 2, router_aux_loss_scope="sequence")),
+    "top2_global": ("top2, global-batch aux loss (last step's counts)", moe("topk", 16, 2,
+                                                                            router_aux_loss_scope="global_batch")),
+    "top2_bias": ("top2, bias balancing, no aux loss", moe("topk", 16, 2, router_expert_bias=True,
+                                                           router_aux_loss_coef=0.0)),
+    "top2_sigmoid": ("top2 sigmoid scores, aux loss", moe("topk", 16, 2, router_score_function="sigmoid")),
+    "top2_sigmoid_bias": ("top2 sigmoid, bias balancing, no aux loss (DeepSeek-V3)", moe(
+        "topk", 16, 2, router_score_function="sigmoid", router_expert_bias=True, router_aux_loss_coef=0.0)),
 }
 UPCYCLE_ARMS = {
     "upcycle_dense": "dense checkpoint, continued dense",
@@ -176,6 +185,11 @@ CLAIMS = [
     ("GShard capacity 2.0 beats 1.25", "gshard_c2.0", "gshard_c1.25"),
     ("upcycling beats continued dense training", "upcycle_moe", "upcycle_dense"),
     ("dense with the MoEs' parameters (8x FFN FLOPs there) beats top-2", "dense_wide", "top2"),
+    ("batch-level balance loss beats sequence-level (Qwen's global-batch direction)", "top2", "top2_seq"),
+    ("global-batch loss from the last step's counts matches or beats the batch's own", "top2_global", "top2"),
+    ("bias balancing without aux loss matches or beats the aux loss (softmax)", "top2_bias", "top2"),
+    ("sigmoid scores match or beat softmax (aux loss)", "top2_sigmoid", "top2"),
+    ("DeepSeek-V3 routing (sigmoid, bias, no aux loss) beats softmax with aux loss", "top2_sigmoid_bias", "top2"),
 ]
 
 

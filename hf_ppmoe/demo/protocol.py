@@ -34,7 +34,7 @@ from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmu
 from ..conversion import upcycle
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
 from ..modeling.loss import lm_loss_of
-from ..moe import MoELayer
+from ..moe import LoadBalancer, MoELayer
 from ..training.data import train_tokenizer
 from ..training.tracking import RouterMonitor
 
@@ -295,6 +295,7 @@ def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str 
     generator = torch.Generator().manual_seed(data_seed)
     val_blocks = held_out_blocks(data, s)
     config, monitor = model.config, RouterMonitor(model)
+    LoadBalancer(model).step_with(optimizer)  # bias balancing / global-batch loss arms: after every optimizer step
     flops = flops_per_token(config, s.block)["train"]
     eval_at = {round(steps * i / s.evals) for i in range(s.evals + 1)}
     curve, train_loss, timed = [], torch.zeros((), device=s.device), {"steps": 0, "wall": 0.0, "cpu": 0.0}
@@ -316,6 +317,7 @@ def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str 
             if router:
                 point["expert_load_cv"] = statistics.mean(v for k, v in router.items() if k.startswith("expert_load"))
                 point["dropped"] = statistics.mean(v for k, v in router.items() if k.startswith("dropped"))
+                point["load_max_over_mean"] = statistics.mean(v for k, v in router.items() if k.startswith("load_max"))
             if not math.isfinite(point["val_loss"]):
                 raise RuntimeError(f"held-out loss is {point['val_loss']} at step {step}: the run diverged")
             curve.append(point)

@@ -53,13 +53,19 @@ class RouterMonitor:
             self.tokens, self.dropped, self.calls = saved
 
     def collect(self, reduce=lambda t: t) -> dict[str, float]:
-        """Per layer: coefficient of variation of expert load (0 = perfectly balanced) and dropped-route fraction.
-        `reduce` sums a tensor over data-parallel processes (e.g. accelerator.reduce)."""
+        """Per layer: coefficient of variation of expert load (0 = perfectly balanced), the largest expert's load over
+        the mean (1 = balanced; the capacity a dropless step needed), the experts that received no route ("dead") and
+        the dropped-route fraction. Loads are the routes each expert received over the interval (real tokens, after
+        capacity: they sum to tokens x k minus the dropped routes). `reduce` sums a tensor over data-parallel
+        processes (e.g. accelerator.reduce)."""
         metrics = {}
         for name, tokens in self.tokens.items():
             tokens = reduce(tokens)
             short = name.removeprefix("model.").removesuffix(".mlp")
-            metrics[f"expert_load_cv/{short}"] = (tokens.std(unbiased=False) / tokens.mean().clamp(min=1e-9)).item()
+            mean = tokens.mean().clamp(min=1e-9)
+            metrics[f"expert_load_cv/{short}"] = (tokens.std(unbiased=False) / mean).item()
+            metrics[f"load_max_over_mean/{short}"] = (tokens.max() / mean).item()
+            metrics[f"dead_experts/{short}"] = int((tokens == 0).sum())
             metrics[f"dropped_fraction/{short}"] = (reduce(self.dropped[name]) / reduce(torch.tensor(float(self.calls[name])))).item()
         self.reset()
         return metrics

@@ -39,6 +39,7 @@ from transformers import get_scheduler
 
 from ..modeling import GPTMoEForCausalLM
 from ..modeling.loss import lm_loss_of
+from ..moe.balance import LoadBalancer
 from ..parallel.fsdp import set_gradient_sync
 from .arguments import TrainArguments
 from .block_data import load_data
@@ -70,6 +71,7 @@ class Run:
     pipe: object = None  # hf_ppmoe.parallel.Pipeline with --pp_size
     start_step: int = 0
     changes: dict = field(default_factory=dict)
+    balancer: LoadBalancer | None = None  # per-step bias balancing and global-batch balance (hf_ppmoe.moe.balance)
     no_target: torch.Tensor = field(init=False)  # micro-batches without a target since the last log (on the device)
 
     def __post_init__(self):
@@ -132,7 +134,7 @@ def setup(args: TrainArguments) -> Run:
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
     model.train()
-    monitor = RouterMonitor(model)
+    monitor, balancer = RouterMonitor(model), LoadBalancer(model)
     model, pipe = split_model(model, args, dp, monitor)  # with tp/pp/fsdp/ep sizes: see parallel_setup.py
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
@@ -149,7 +151,9 @@ def setup(args: TrainArguments) -> Run:
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
     checkpointer = Checkpointer(accelerator, args.output_dir, record, sharded, data)
     run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, checkpointer,
-              pipe, changes=changes)
+              pipe, changes=changes, balancer=balancer)
+    if balancer.layers:  # its global-batch fractions are training state (the bias is saved with the model)
+        accelerator.register_for_checkpointing(balancer)
     if checkpoint is not None:
         checkpointer.load(checkpoint)
         run.start_step = resume_step
@@ -197,6 +201,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
                     grad_norm = clip_gradients(run.model, args.max_grad_norm, run.dp)
                     run.optimizer.step()
                     run.optimizer.zero_grad(set_to_none=True)
+    run.balancer.step(run.dp.reduce)  # the step's routes over all micro-batches and data-parallel processes
     run.scheduler.step()
     return run.dp.reduce(sums, reduction="mean"), grad_norm  # the same on every rank: all stop together
 
