@@ -18,6 +18,15 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
         from .megatron.__main__ import megatron_main
 
         return megatron_main(rest, prog="hf-ppmoe megatron")
+    if command == "serve":
+        from .serving import ServeArguments
+
+        args = parse_arguments(ServeArguments, rest, prog="hf-ppmoe serve", description=description,
+                               positionals={"model": "MODEL"})
+        from .serving import serve
+
+        serve(args)
+        return 0
     if command == "demo":
         from .demo.options import DemoArguments
 

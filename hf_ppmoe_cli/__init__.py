@@ -1,6 +1,6 @@
 """`hf-ppmoe` command line: `hf-ppmoe demo [...]`, `hf-ppmoe train [...]` (= `python -m hf_ppmoe.training`),
 `hf-ppmoe upcycle|merge|import SRC OUT [...]`, `hf-ppmoe export SRC OUT --to NAME`,
-`hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe --version`; `hf-ppmoe COMMAND --help` for each.
+`hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe serve MODEL`, `hf-ppmoe --version`; `hf-ppmoe COMMAND --help` for each.
 
 Exit codes: 0 done; 2 bad flags or a refusal (one `hf-ppmoe COMMAND: error: ...` line, checked before any work,
 nothing written); 1 a failure while running (a full disk, a diverged training run).
@@ -20,6 +20,7 @@ COMMANDS = {
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
     "import": "Import an MoE checkpoint (Mixtral, Qwen3-MoE; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
     "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
+    "serve": "OpenAI-compatible server (Transformers' own, continuous batching) for a saved model: hf-ppmoe serve MODEL.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
 }
 

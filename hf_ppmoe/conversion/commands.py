@@ -56,11 +56,17 @@ class UpcycleArguments(_Output, _Paths):
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
     norm_topk_prob: bool = field(default=True, metadata=_help("topk gate: renormalize the top-k weights."))
+    chat_template: str | None = field(default=None, metadata=_help(
+        "Give OUT's tokenizer a chat template (for chat completions, `hf-ppmoe serve`): chatml, a .jinja file, or Jinja text."))
 
     def __post_init__(self):
         """Also the MoE settings the target config refuses whatever the source is (the checks both families share,
         run on a GPT-MoE config), before the source is read."""
         super().__post_init__()
+        if self.chat_template is not None:
+            from ..utils.chat_template import chat_template_text
+
+            chat_template_text(self.chat_template)  # an unknown name or a missing file: refused before any work
         from ..modeling.configuration_gpt_moe import GPTMoEConfig
 
         GPTMoEConfig(
@@ -117,7 +123,7 @@ def _stack_placement(args: UpcycleArguments) -> dict:
 def run_upcycle(args: UpcycleArguments) -> Path:
     from .upcycling import upcycle
 
-    return upcycle(
+    out = upcycle(
         args.source,
         num_experts=args.num_experts,
         num_experts_per_tok=args.num_experts_per_tok,
@@ -136,6 +142,18 @@ def run_upcycle(args: UpcycleArguments) -> Path:
         overwrite=args.overwrite,
         progress=True,
     )
+    if args.chat_template is not None:
+        _write_chat_template(out, args.chat_template)
+    return out
+
+
+def _write_chat_template(folder: Path, template: str) -> None:
+    from ..utils.chat_template import write_chat_template
+    from .mapping import ConversionError
+
+    if not any((Path(folder) / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        raise ConversionError(f"--chat_template: {folder} was written, but without a chat template: it has no tokenizer (the source had none).")
+    write_chat_template(folder, template)
 
 
 def run_merge(args: MergeArguments) -> Path:

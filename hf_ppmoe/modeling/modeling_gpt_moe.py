@@ -119,7 +119,9 @@ class GPTMoEAttention(nn.Module):
         if position_embeddings is not None:
             q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
         if cache is not None:
-            k, v = cache.update(k, v, self.layer_idx)
+            # the cache API's own signature: a paged cache (continuous batching) fills `kwargs` in place with what its
+            # attention kernel reads (cumulative lengths, block table), so the same dict goes on to the attention
+            k, v = cache.update(k, v, self.layer_idx, kwargs=kwargs)
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_implementation(self.config), eager_attention_forward)
         return attend(self, attention, q, k, v, attention_mask, sliding_window=self.config.sliding_window, **kwargs)
 

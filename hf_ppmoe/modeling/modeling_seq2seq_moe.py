@@ -130,18 +130,18 @@ class Seq2SeqMoEAttention(nn.Module):
     def _project(self, proj: nn.Linear, states: torch.Tensor) -> torch.Tensor:
         return proj(states).view(*states.shape[:-1], -1, self.head_dim).transpose(1, 2)  # [B, N, len, D]
 
-    def _key_values(self, hidden_states, key_value_states, cache: EncoderDecoderCache | None):
+    def _key_values(self, hidden_states, key_value_states, cache: EncoderDecoderCache | None, kwargs: dict):
         if not self.is_cross:
             k, v = self._project(self.k_proj, hidden_states), self._project(self.v_proj, hidden_states)
             if cache is not None:
-                k, v = cache.self_attention_cache.update(k, v, self.layer_idx)
+                k, v = cache.self_attention_cache.update(k, v, self.layer_idx, kwargs=kwargs)
             return k, v
         if cache is not None and cache.is_updated.get(self.layer_idx):
             layer = cache.cross_attention_cache.layers[self.layer_idx]  # the encoder output does not change
             return layer.keys, layer.values
         k, v = self._project(self.k_proj, key_value_states), self._project(self.v_proj, key_value_states)
         if cache is not None:
-            k, v = cache.cross_attention_cache.update(k, v, self.layer_idx)
+            k, v = cache.cross_attention_cache.update(k, v, self.layer_idx, kwargs=kwargs)
             cache.is_updated[self.layer_idx] = True
         return k, v
 
@@ -150,7 +150,7 @@ class Seq2SeqMoEAttention(nn.Module):
     ):
         """hidden_states [B, L, H], key_value_states [B, S, H] (cross only) -> ([B, L, H], attention weights | None)."""
         q = self._project(self.q_proj, hidden_states)
-        k, v = self._key_values(hidden_states, key_value_states, cache)
+        k, v = self._key_values(hidden_states, key_value_states, cache, kwargs)  # the cache may fill kwargs in place
         attention = ALL_ATTENTION_FUNCTIONS.get_interface(attention_implementation(self.config), eager_attention_forward)
         return attend(self, attention, q, k, v, attention_mask, position_bias=position_bias, **kwargs)
 
@@ -493,6 +493,15 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         self.model = Seq2SeqMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def init_continuous_batching(self, *args, **kwargs):
+        """Transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`) packs
+        decoder-only requests into one paged cache; it has no place for an encoder's output."""
+        raise NotImplementedError(
+            "Continuous batching (generate_batch, paged attention) is decoder-only in Transformers: an "
+            "encoder-decoder has no place in its paged cache for the encoder output. Use model.generate(...) with a "
+            "padded batch (or flat beam search) for Seq2Seq-MoE; GPT-MoE supports generate_batch."
+        )
 
     def get_input_embeddings(self):
         return self.model.shared

@@ -27,6 +27,7 @@ class TrainArguments:
     router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
     expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
+    chat_template: str | None = field(default=None, metadata={"help": "Give the saved tokenizer a chat template (chat completions, `hf-ppmoe serve`): chatml, a .jinja file, or Jinja text."})
 
     # ---- data (block_data.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
     train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet."})
@@ -86,6 +87,10 @@ class TrainArguments:
     ep_size: int | None = field(default=None, metadata={"help": "Processes every MoE layer's experts are split over (default tp_size: PPMoE on the tensor-parallel group). A multiple k * tp_size, with k dividing fsdp_size, spreads them over k tensor-parallel groups that read different batches (Transformers' all-to-all)."})
 
     def __post_init__(self):
+        if self.chat_template is not None:
+            from ..utils.chat_template import chat_template_text
+
+            chat_template_text(self.chat_template)  # an unknown name or a missing file: refused before any work
         if self.train_file is not None and isinstance(self.train_file, str):
             self.train_file = [self.train_file]
         if self.validation_file is not None and isinstance(self.validation_file, str):

@@ -41,6 +41,7 @@ from ..modeling import GPTMoEForCausalLM
 from ..modeling.loss import lm_loss_of
 from ..moe.balance import LoadBalancer
 from ..parallel.fsdp import set_gradient_sync
+from ..utils.chat_template import chat_template_text
 from .arguments import TrainArguments
 from .block_data import load_data
 from .build import build_model, is_seq2seq, load_tokenizer
@@ -117,6 +118,8 @@ def setup(args: TrainArguments) -> Run:
         tokenizer = load_tokenizer(args, [*train_pairs["source"], *train_pairs["target"]])
     else:
         tokenizer = load_tokenizer(args)
+    if args.chat_template is not None:  # saved with the tokenizer into every output folder (`hf-ppmoe serve`)
+        tokenizer.chat_template = chat_template_text(args.chat_template)
     model = build_model(args, tokenizer)
     args.check_model(model.config)
     dp = DataParallelGroup(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)

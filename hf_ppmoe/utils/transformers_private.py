@@ -80,3 +80,19 @@ def attention_implementation(config) -> str:
 def mark_expert_parallel(module: nn.Module) -> None:
     """Tells Transformers' expert-parallel code that `module` holds the experts of an expert-parallel layer."""
     module._is_expert_parallel = True
+
+
+def expose_on_transformers(*classes: type) -> None:
+    """Puts `classes` on the `transformers` module under their names: `transformers serve`'s model manager loads a
+    checkpoint with `getattr(transformers, config.architectures[0])`, which finds only Transformers' own classes.
+    Set on the module object its model manager holds and on the one in `sys.modules`: importing some Transformers
+    modules (`transformers.modeling_layers`, in 5.24) puts a new `transformers` module object in `sys.modules`, so
+    the two can differ."""
+    import sys
+
+    from transformers.cli.serving import model_manager
+
+    modules = {id(m): m for m in (sys.modules["transformers"], model_manager.transformers)}
+    for module in modules.values():
+        for cls in classes:
+            setattr(module, cls.__name__, cls)

@@ -1,0 +1,152 @@
+"""`hf-ppmoe serve MODEL`: Transformers' own OpenAI-compatible server (`transformers serve`: FastAPI + uvicorn, its
+model manager, its handlers for /v1/completions and /v1/chat/completions, continuous batching with a paged cache)
+serving our models, and the chat template a folder needs for chat completions.
+
+What this module adds to `transformers serve`, and nothing else:
+
+- our classes where its model manager looks them up: it loads `getattr(transformers, config.architectures[0])`, so
+  `expose_model_classes` puts GPTMoEForCausalLM and Seq2SeqMoEForConditionalGeneration on the `transformers` module
+  (`hf_ppmoe.utils.transformers_private.expose_on_transformers`);
+- a chat request to a model whose tokenizer has no chat template answers HTTP 400 naming the fix, where Transformers'
+  handler fails inside `apply_chat_template` with a 500 (`ChatCompletions`);
+- continuous batching on by default for decoder-only models (Transformers' continuous batching is decoder-only: a
+  Seq2Seq-MoE is served by `generate`), with a paged cache sized for the device (`cache_config`).
+
+Router statistics are not part of the OpenAI protocol: a user who wants them calls `model.generate(...,
+output_router_logits=True, return_dict_in_generate=True)` in Python (docs/generation.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# importable without the serving extra (fastapi, uvicorn, openai): Transformers guards those imports itself
+from transformers.cli.serving.chat_completion import ChatCompletionHandler
+
+from .utils.chat_template import CHAT_TEMPLATES, write_chat_template
+
+NO_CHAT_TEMPLATE = (
+    "This model's tokenizer has no chat template, so /v1/chat/completions cannot turn messages into a prompt. Use "
+    "/v1/completions with a plain prompt, or give the folder a template: `hf-ppmoe upcycle ... --chat_template chatml` "
+    "(or a .jinja file), or `hf_ppmoe.utils.chat_template.write_chat_template(folder, 'chatml')`."
+)
+# Transformers sizes the default paged cache for an accelerator (8192 tokens a batch and an attention mask to match):
+# on a CPU that mask alone makes every step slow, so a CPU server starts with a small cache unless told otherwise
+CPU_CACHE = dict(num_blocks=64, max_batch_tokens=256, page_size=32)
+
+
+@dataclass
+class ServeArguments:
+    """`hf-ppmoe serve MODEL [options]`; the options are `transformers serve`'s of the same name."""
+
+    model: str = field(metadata={"help": "Folder (or Hub id) written by save_pretrained / hf-ppmoe upcycle|train."})
+    host: str = field(default="localhost", metadata={"help": "Listen address (127.0.0.1 / localhost: this machine only)."})
+    port: int = field(default=8000, metadata={"help": "Listen port."})
+    continuous_batching: bool = field(default=True, metadata={"help": "Continuous batching with a paged cache (decoder-only models)."})
+    device: str = field(default="auto", metadata={"help": "Device: auto, cpu, cuda:0, ..."})
+    dtype: str = field(default="auto", metadata={"help": "Weights' dtype: auto (as saved), bfloat16, float32, ..."})
+    attn_implementation: str | None = field(default=None, metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2, ..."})
+    cb_num_blocks: int | None = field(default=None, metadata={"help": "Paged cache blocks (default: Transformers' sizing; on CPU 64)."})
+    cb_page_size: int | None = field(default=None, metadata={"help": "Tokens per paged cache page (on CPU default 32)."})
+    cb_max_batch_tokens: int | None = field(default=None, metadata={"help": "Tokens a batch holds (on CPU default 256)."})
+    log_level: str = field(default="warning", metadata={"help": "Logging level: info, warning, error."})
+    trust_remote_code: bool = field(default=False, metadata={"help": "Also run other models' remote code (ours needs none)."})
+
+    def __post_init__(self):
+        if not 0 < self.port < 65536:
+            raise ValueError(f"--port {self.port}: must be between 1 and 65535")
+
+
+def expose_model_classes() -> None:
+    """Our model classes on the `transformers` module, where `transformers serve`'s model manager finds a
+    checkpoint's architecture (and with `import hf_ppmoe`, which registers them with the Auto classes)."""
+    import hf_ppmoe
+
+    from .utils.transformers_private import expose_on_transformers
+
+    expose_on_transformers(hf_ppmoe.GPTMoEForCausalLM, hf_ppmoe.Seq2SeqMoEForConditionalGeneration)
+
+
+def is_decoder_only(model: str) -> bool:
+    from transformers import AutoConfig
+
+    import hf_ppmoe  # noqa: F401  (our model types)
+
+    return not getattr(AutoConfig.from_pretrained(model), "is_encoder_decoder", False)
+
+
+def cache_config(args: ServeArguments):
+    """The paged cache of continuous batching: the flags given, else Transformers' sizing (on CPU: `CPU_CACHE`)."""
+    from transformers import ContinuousBatchingConfig
+
+    given = {"num_blocks": args.cb_num_blocks, "page_size": args.cb_page_size, "max_batch_tokens": args.cb_max_batch_tokens}
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not _has_accelerator())
+    sizes = {**(CPU_CACHE if on_cpu else {}), **{k: v for k, v in given.items() if v is not None}}
+    return ContinuousBatchingConfig(**sizes) if sizes else None
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available())
+
+
+def build_app(args: ServeArguments):
+    """Transformers' FastAPI app (`transformers.cli.serving.server.build_server`) with its own model manager,
+    generation state and handlers, pinned to `args.model`; chat requests go through `ChatCompletions`."""
+    from transformers.cli.serving.completion import CompletionHandler
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.response import ResponseHandler
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+    from transformers.cli.serving.utils import GenerationState
+    from transformers.utils import logging
+
+    expose_model_classes()
+    logging.get_logger("transformers").setLevel(logging.log_levels[args.log_level.lower()])
+    batching = args.continuous_batching and is_decoder_only(args.model)
+    manager = ModelManager(
+        device=args.device,
+        dtype=args.dtype,
+        trust_remote_code=args.trust_remote_code,
+        attn_implementation=args.attn_implementation,
+        continuous_batching=batching,
+        force_model=args.model,
+    )
+    state = GenerationState(continuous_batching=batching, compile=False, cb_config=cache_config(args) if batching else None)
+    return build_server(
+        manager,
+        ChatCompletions(manager, state),
+        completion_handler=CompletionHandler(manager, state),
+        response_handler=ResponseHandler(manager, state),
+        transcription_handler=TranscriptionHandler(manager, state),
+        systemone_handler=SystemOneHandler(manager, state),
+        generation_state=state,
+    )
+
+
+class ChatCompletions(ChatCompletionHandler):
+    """Transformers' handler of /v1/chat/completions, answering 400 with `NO_CHAT_TEMPLATE` for a tokenizer without a
+    chat template (its own handler raises inside `apply_chat_template`: a 500)."""
+
+    async def handle_request(self, body: dict, request_id: str):
+        from fastapi import HTTPException
+
+        self._validate_request(body)
+        _, _, processor = self._resolve_model(dict(body))  # loaded once, then cached by the model manager
+        if getattr(processor, "chat_template", None) is None:
+            raise HTTPException(status_code=400, detail=NO_CHAT_TEMPLATE)
+        return await super().handle_request(body, request_id)
+
+
+def serve(args: ServeArguments) -> None:
+    """Run the server until interrupted (Ctrl-C, SIGTERM)."""
+    import uvicorn
+
+    if args.host not in ("localhost", "127.0.0.1", "::1"):
+        print(f"hf-ppmoe serve: listening on {args.host}: reachable from other machines, with no authentication.")
+    uvicorn.run(build_app(args), host=args.host, port=args.port, log_level=args.log_level.lower())
+
+
+__all__ = ["CHAT_TEMPLATES", "ServeArguments", "build_app", "expose_model_classes", "serve", "write_chat_template"]
