@@ -164,6 +164,7 @@ def _mistakes(t):
         (["merge", str(t / "cut-checked"), out], ["model.safetensors", "again"], []),
         (["upcycle", str(t / "dense-cut"), out], ["model.safetensors is cut short", "again"], []),
         (["train", "--max_steps", "ten"], ["--max_steps", "invalid int value"], []),
+        (["train", "--upcycle_from", dense, "--num_experts", "1"], ["--num_experts_per_tok 2 (the default)", "--num_experts 1"], []),
         (["train", "--model_name_or_path", str(t / "runs" / "typo")], ["--model_name_or_path", "no such folder."], ["Hub"]),
         (["demo", "--num_experts", "0"], ["--num_experts must be >= 1"], []),
         (["megatron", "to-megatron", moe, out, "--tp", "0"], ["--tp 0"], []),
