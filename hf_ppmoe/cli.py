@@ -41,12 +41,16 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
     arguments, convert, description = CONVERSIONS[command]
     args = parse_arguments(arguments, rest, prog=f"hf-ppmoe {command}", description=description,
                            positionals={"source": "SRC", "output": "OUT"})
+    from transformers.utils import logging as transformers_logging
+
     from .conversion.mapping import ConversionError  # torch: after the flags were checked
     from .utils.atomic import OutOfSpaceError
+    transformers_logging.disable_progress_bar()  # its per-shard bars flash by; ours shows once a write is long
+    from .utils.integrity import CheckpointError
 
     try:
         out = convert(args)
-    except (ConversionError, FileExistsError) as err:  # refused: nothing was written
+    except (ConversionError, CheckpointError, FileExistsError) as err:  # refused: nothing was written
         print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
         return 2
     except OutOfSpaceError as err:  # failed while writing; the previous output (if any) is untouched

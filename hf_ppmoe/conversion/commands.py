@@ -41,7 +41,9 @@ class UpcycleArguments(_Output, _Paths):
     num_experts: int = field(default=8, metadata=_help("Experts per MoE layer."))
     num_experts_per_tok: int | None = field(default=None, metadata=_help("Routes per token (default: 1 for switch, else 2)."))
     router_type: str = field(default="topk", metadata=_help("Gate: topk, switch, gshard, prototype, or a registered one."))
-    moe_layer_frequency: int = field(default=2, metadata=_help("Every n-th FFN becomes MoE (1: all)."))
+    moe_layer_frequency: int = field(default=2, metadata=_help(
+        "Every n-th FFN becomes MoE, layers n-1, 2n-1, ... from 0 (default 2, as in GShard and PPMoE: every other "
+        "FFN, so a 2-layer model gets one MoE layer; 1: every FFN)."))
     moe_layers: list[int] | None = field(default=None, metadata=_help("Explicit FFN indices to make MoE (overrides the frequency)."))
     encoder_moe_layers: list[int] | None = field(default=None, metadata=_help("T5: encoder FFNs to make MoE."))
     decoder_moe_layers: list[int] | None = field(default=None, metadata=_help("T5: decoder FFNs to make MoE."))
@@ -49,7 +51,8 @@ class UpcycleArguments(_Output, _Paths):
     no_decoder_moe: bool = field(default=False, metadata=_help("T5: keep every decoder FFN dense."))
     encoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th encoder FFN becomes MoE."))
     decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
-    router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
+    router_init: str = field(default="zeros", metadata={**_help(f"Router initialization: {', '.join(ROUTER_INITS)}."),
+                                                        "choices": list(ROUTER_INITS)})
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
     sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
@@ -61,12 +64,22 @@ class UpcycleArguments(_Output, _Paths):
 
     def __post_init__(self):
         """Also the MoE settings the target config refuses whatever the source is (the checks both families share,
-        run on a GPT-MoE config), before the source is read."""
+        run on a GPT-MoE config), before the source is read; in the command's words (flags, and defaults named as
+        defaults)."""
         super().__post_init__()
         if self.chat_template is not None:
             from ..utils.chat_template import chat_template_text
 
             chat_template_text(self.chat_template)  # an unknown name or a missing file: refused before any work
+        if self.num_experts < 2:
+            raise ValueError(f"--num_experts {self.num_experts}: an MoE layer needs at least 2 experts (with one, "
+                             "every token takes the dense FFN it was copied from); give --num_experts 2 or more.")
+        if self.num_experts_per_tok is None and default_experts_per_token(self.router_type, None) > self.num_experts:
+            raise ValueError(f"--num_experts {self.num_experts} is fewer than the default --num_experts_per_tok "
+                             f"{default_experts_per_token(self.router_type, None)} (routes per token); set "
+                             "--num_experts_per_tok too.")
+        if self.router_init == "hidden":
+            _check_sample_texts(self)
         from ..modeling.configuration_gpt_moe import GPTMoEConfig
 
         GPTMoEConfig(
@@ -82,10 +95,17 @@ class UpcycleArguments(_Output, _Paths):
 @dataclass
 class MergeArguments(_Output, _Paths):
     PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
-    method: str = field(default="mean", metadata=_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."))
+    method: str = field(default="mean", metadata={**_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."),
+                                                  "choices": list(MERGE_METHODS)})
     expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
     sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line.")})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.method == "usage" and self.sample_file is None and not self.sample_texts:
+            raise ValueError("--method usage needs --sample_file FILE (texts, one per line) to measure how often the "
+                             "router picks each expert.")
 
 
 @dataclass
@@ -102,6 +122,21 @@ class _Target:
 @dataclass
 class ExportArguments(_Output, _Target, _Paths):
     pass
+
+
+def _check_sample_texts(args: UpcycleArguments) -> None:
+    """--router_init hidden reads one sample text per expert: refuse a missing file, or one with another number of
+    lines, before the source is read (a missing file is utils.paths' to name)."""
+    if args.sample_file is None and not args.sample_texts:
+        raise ValueError(f"--router_init hidden needs --sample_file FILE with one line of text per expert "
+                         f"({args.num_experts} lines for --num_experts {args.num_experts}).")
+    if args.sample_file is not None and not Path(args.sample_file).is_file():
+        return
+    n = len(_texts(args) or [])
+    if n != args.num_experts:
+        given = f"--sample_file {args.sample_file} has {n} non-empty lines" if args.sample_file else f"{n} --sample_texts"
+        raise ValueError(f"--router_init hidden takes one sample text per expert: {given}, and --num_experts is "
+                         f"{args.num_experts}; give {args.num_experts} lines or set --num_experts {n}.")
 
 
 def _texts(args) -> list[str] | None:

@@ -421,7 +421,7 @@ def _target(to: str) -> Target:
 def _config_of(moe):
     config = moe if isinstance(moe, (GPTMoEConfig, Seq2SeqMoEConfig)) else getattr(moe, "config", None)
     if config is None:
-        return open_checkpoint(moe, moe_config_loader("export_moe")).config
+        return open_checkpoint(moe, moe_config_loader("exporting (hf-ppmoe export, export_moe)")).config
     return config
 
 
@@ -455,7 +455,7 @@ def export_moe(
     tensor through a temporary folder, and returns its path. The folder loads with `AutoModelForCausalLM` /
     `AutoModelForSeq2SeqLM` without hf_ppmoe."""
     target = _target(to)
-    checkpoint = open_checkpoint(moe, moe_config_loader("export_moe"))
+    checkpoint = open_checkpoint(moe, moe_config_loader("exporting (hf-ppmoe export, export_moe)"))
     config = checkpoint.config
     reasons = export_reasons(config, to)
     if reasons:

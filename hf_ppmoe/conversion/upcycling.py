@@ -46,7 +46,8 @@ def moe_config_loader(reader: str):
         if model_type not in MODEL_CLASSES:
             raise ConversionError(
                 f"{folder} holds a {model_type!r} model; {reader} reads GPT-MoE and Seq2Seq-MoE checkpoints "
-                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). Import an MoE checkpoint with import_moe first."
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). A Mixtral, Qwen3-MoE or Switch Transformers checkpoint: import it first (hf-ppmoe import SRC OUT; "
+                "in Python, import_moe)."
             )
         return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
 
@@ -323,6 +324,9 @@ def upcycle(
     """
     if router_init not in ROUTER_INITS:
         raise ConversionError(f"router_init={router_init!r}; use one of {', '.join(ROUTER_INITS)}.")
+    if num_experts == 1:  # allowed (a test of the conversion itself), but no MoE: say so once
+        warnings.warn("num_experts=1: every MoE layer has one expert, which every token takes, so the model computes "
+                      "the dense model with a router added; upcycle to 2 or more experts for an MoE.", stacklevel=2)
     checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
     num_experts_per_tok = default_experts_per_token(router_type, num_experts_per_tok)
     config = _moe_config(

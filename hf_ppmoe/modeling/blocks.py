@@ -148,10 +148,11 @@ def run_layers(
             kwargs["router_expert_ids"] = next(replay)
         hidden_states, aux, z = layer(hidden_states, *args, **kwargs)
         if aux is not None:
-            losses.append(torch.stack([aux, z]))
+            losses.append((aux, z))
     if not losses:
         return hidden_states, None, None
-    aux, z = torch.stack(losses).mean(dim=0).unbind()
+    # each mean is a tensor of its own, not a view (unbind's): FSDP2 warns about views a wrapped model returns
+    aux, z = (torch.stack(column).mean() for column in zip(*losses))
     return hidden_states, aux, z
 
 

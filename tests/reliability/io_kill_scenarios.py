@@ -127,8 +127,8 @@ def save_pretrained(root: Path) -> dict:
 
 
 def conversion(root: Path) -> dict:
-    """`hf-ppmoe upcycle --overwrite` run out of space, then killed by SIGTERM between its two renames (as on a
-    filesystem without an atomic exchange of two folders), then converted again."""
+    """`hf-ppmoe upcycle --overwrite` run out of space, then sent SIGTERM between its two renames (as on a filesystem
+    without an atomic exchange of two folders; handled as SIGINT: the old OUT is put back), then converted again."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from hf_ppmoe_cli import main as cli
@@ -159,7 +159,11 @@ def conversion(root: Path) -> dict:
     report["signal"] = killed(signal.SIGTERM, lambda: convert(2), target=out, rename_only=True)
     report["out_exists_after_kill"], report["leftovers_after_kill"] = out.is_dir(), len(hidden(root))
     with contextlib.redirect_stderr(io.StringIO()) as stderr:  # the next conversion first puts the old OUT back
-        report["without_overwrite"] = [cli(["upcycle", str(root / "dense"), str(out), "--num_experts", "2"]), stderr.getvalue()[-300:]]
+        try:  # refused: by the flags' check (SystemExit) now that the killed conversion put the old OUT back
+            code = cli(["upcycle", str(root / "dense"), str(out), "--num_experts", "2"])
+        except SystemExit as exit:
+            code = exit.code
+        report["without_overwrite"] = [code, stderr.getvalue()[-300:]]
     report["after_kill"] = loads_as()
     with contextlib.redirect_stderr(io.StringIO()):
         convert(2)
