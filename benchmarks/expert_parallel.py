@@ -9,7 +9,7 @@ only the expert-parallel implementation differs:
 - ppmoe:      ours. Whole experts per rank; index_select only the routes to local experts; one all-reduce.
 - all_reduce: Transformers' AllReduceEP. The same split, but every rank hands its experts the whole batch with the
               other ranks' routes masked (sentinel id, weight 0), then one all-reduce. With Transformers' grouped_mm
-              kernel the masked routes still go through its gather and elementwise passes; our `index` dispatch
+              kernel the masked routes still go through its gather and elementwise passes; our `index` experts implementation
               skips them, so "all_reduce + index" computes what PPMoE computes and differs only in communication.
 - all_to_all: Transformers' AllToAllEP. Each rank takes half the tokens, sends routes to the owner rank with an
               all-to-all and back with a second one, then all-gathers the halves.
@@ -35,7 +35,7 @@ from transformers import DistributedConfig
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
 from hf_ppmoe.parallel import count_collectives, init_distributed
 
-# (ep_implementation, experts dispatch): our index dispatch skips the sentinel routes of other ranks' experts;
+# (ep_implementation, experts_implementation): our index implementation skips the sentinel routes of other ranks' experts;
 # Transformers' grouped_mm kernel takes them through its gather and elementwise passes (masked)
 VARIANTS = (
     ("ppmoe", "index"),
@@ -46,12 +46,12 @@ VARIANTS = (
 )
 
 
-def build(args, implementation, dispatch):
+def build(args, implementation, experts):
     torch.manual_seed(0)
     config = GPTMoEConfig(
         vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.inner, num_hidden_layers=args.layers,
         num_attention_heads=8, num_experts=args.experts, num_experts_per_tok=args.topk, moe_layer_frequency=1,
-        dispatch=dispatch,
+        experts_implementation=experts,
     )
     model = GPTMoEForCausalLM(config).train()
     distributed = DistributedConfig(tp_size=2, ep_size=2, ep_implementation=implementation)
@@ -110,7 +110,7 @@ def main():
         f"2 ranks (gloo, CPU, 1 thread each), T={T} tokens, H={H}, expert inner={args.inner}, E={E}, top-{args.topk}, "
         f"{args.layers} MoE layers, float32; median of {args.rounds} interleaved rounds"
     )
-    print("\n| EP implementation | experts dispatch | step time fwd+bwd (ms) | vs ppmoe | loss |")
+    print("\n| EP implementation | experts implementation | step time fwd+bwd (ms) | vs ppmoe | loss |")
     print("|---|---|---|---|---|")
     base = statistics.median(times[VARIANTS[0]])
     for name in VARIANTS:
@@ -119,7 +119,7 @@ def main():
     print("\n| per MoE layer and rank | forward bytes | backward bytes | collectives |")
     print("|---|---|---|---|")
     for name in VARIANTS:
-        if name[1] == "index":  # the bytes do not depend on the dispatch
+        if name[1] == "index":  # the bytes do not depend on the experts implementation
             fwd, bwd, ops = traffic[name]
             print(f"| {name[0]} | {fwd:,} | {bwd:,} | {', '.join(ops)} |")
     print(f"| Eq. (2), data-parallel MoE all-to-all (E={E}) | {2 * paper_a2a:,} | {2 * paper_a2a:,} | 2 x all_to_all each way |")

@@ -12,7 +12,7 @@ skipped with the reason in its table row instead of ending the run out of memory
 Every section runs its variants interleaved, round after round, and reports the median of per-round ratios to the
 baseline of the same round (dense FFN / dense backbone), so clock and thermal drift cancel:
 
-1. MoE layer, training (forward+backward) and forward: ours (`MoELayer`, `index` dispatch = grouped GEMMs) against a
+1. MoE layer, training (forward+backward) and forward: ours (`MoELayer`, `index` experts implementation = grouped GEMMs) against a
    dense SwiGLU FFN of equal active FLOPs (inner size k * f) and Transformers' Qwen3-MoE sparse block with its
    `grouped_mm` and `batched_mm` experts, for E in {8, 32, 128}, k in {1, 2, 8}; 16k tokens, hidden 2048.
 2. GPT-MoE training step (AdamW, bf16 weights, torch.compile) tokens/s and MFU against its dense backbone (the same
@@ -386,7 +386,7 @@ def decode_section(args, device, dtype, timer, problems):
             if name == ALL_EXPERTS:
                 for module in model.modules():
                     if isinstance(module, Experts):
-                        module.dispatch = "all_experts"
+                        module.config._experts_implementation = "all_experts"
             kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
             if args.compile:
                 kwargs["cache_implementation"] = "static"

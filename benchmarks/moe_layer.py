@@ -7,7 +7,7 @@ implementation once (forward+backward, and forward only under no_grad) and divid
 that same round; the reported number is the median of those per-round ratios (< 1 is faster than dense).
 
 - dense: the same FFN with inner size k * f (equal active FLOPs to k experts of inner size f).
-- ours-index / ours-einsum: `hf_ppmoe.moe.MoELayer` with dispatch "index" (PPMoE) / "einsum" (GShard).
+- ours-index / ours-einsum: `hf_ppmoe.moe.MoELayer` with experts_implementation "index" (PPMoE) / "einsum" (GShard).
 - experts-only: the expert work of ours-index alone: the same grouped GEMMs (this batch's routing, tokens already
   grouped by expert), without gate, sort, gather, weighting and scatter. It is the floor of the
   `index` layer on this machine: what the per-expert GEMMs cost against the dense FFN's large ones.
@@ -43,10 +43,10 @@ def init_(module: nn.Module) -> nn.Module:
     return module
 
 
-def ours(hidden, inner, E, k, dispatch, gated=True):
+def ours(hidden, inner, E, k, implementation, gated=True):
     config = GPTMoEConfig(
         hidden_size=hidden, intermediate_size=inner, num_attention_heads=8, num_experts=E, num_experts_per_tok=k,
-        router_type="topk" if gated else "switch", dispatch=dispatch, gated_mlp=gated,
+        router_type="topk" if gated else "switch", experts_implementation=implementation, gated_mlp=gated,
         hidden_act="silu" if gated else "relu",
     )
     layer = MoELayer(config)

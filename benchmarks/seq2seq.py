@@ -40,7 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--dispatch", default="index")
+    p.add_argument("--experts_implementation", default="index")
     return p.parse_args(argv)
 
 
@@ -50,7 +50,7 @@ def build_models(a):
         vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
         num_decoder_layers=a.layers, hidden_act="relu", gated_mlp=False, attention_scaling=1.0,
         tie_word_embeddings=True, scale_decoder_outputs=True, num_experts=a.experts, num_experts_per_tok=1,
-        router_type="switch", capacity_factor=None, moe_layer_frequency=2, dispatch=a.dispatch,
+        router_type="switch", capacity_factor=None, moe_layer_frequency=2, experts_implementation=a.experts_implementation,
         router_aux_loss_coef=0.001, router_z_loss_coef=0.001, **common,
     )
     ours = Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEConfig(**ours_kwargs))
@@ -164,7 +164,7 @@ def main(argv=None):
         f"\nsettings: torch {torch.__version__}, {a.threads} threads, batch {a.batch}, source {a.src_len}, "
         f"target {a.tgt_len}, {a.new_tokens} new tokens, d_model {a.hidden}, d_ff {a.ffn}, heads {a.heads}, "
         f"{a.layers}+{a.layers} layers (MoE at 1, 3, ...), {a.experts} experts top-1, vocab {a.vocab}, "
-        f"dispatch {a.dispatch}, fused AdamW, {a.rounds} rounds"
+        f"experts {a.experts_implementation}, fused AdamW, {a.rounds} rounds"
     )
     for name in models:
         print(

@@ -25,7 +25,11 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
                                positionals={"model": "MODEL"})
         from .serving import serve
 
-        serve(args)
+        try:
+            serve(args)
+        except ValueError as err:  # refused before listening (an encoder-decoder model, no serving extra)
+            print(f"hf-ppmoe serve: error: {err}", file=sys.stderr)
+            return 2
         return 0
     if command == "demo":
         from .demo.options import DemoArguments

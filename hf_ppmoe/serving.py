@@ -8,9 +8,10 @@ What this module adds to `transformers serve`, and nothing else:
   `expose_model_classes` puts GPTMoEForCausalLM and Seq2SeqMoEForConditionalGeneration on the `transformers` module
   (`hf_ppmoe.utils.transformers_private.expose_on_transformers`);
 - a chat request to a model whose tokenizer has no chat template answers HTTP 400 naming the fix, where Transformers'
-  handler fails inside `apply_chat_template` with a 500 (`ChatCompletions`);
-- continuous batching on by default for decoder-only models (Transformers' continuous batching is decoder-only: a
-  Seq2Seq-MoE is served by `generate`), with a paged cache sized for the device (`cache_config`).
+  handler fails inside `apply_chat_template` with a 500 (`chat_completions_handler`);
+- continuous batching on by default, with a paged cache sized for the device (`cache_config`);
+- a clear refusal for an encoder-decoder (Seq2Seq-MoE), which Transformers' server does not handle
+  (`SEQ2SEQ_NOT_SERVED`).
 
 Router statistics are not part of the OpenAI protocol: a user who wants them calls `model.generate(...,
 output_router_logits=True, return_dict_in_generate=True)` in Python (docs/generation.md).
@@ -18,10 +19,8 @@ output_router_logits=True, return_dict_in_generate=True)` in Python (docs/genera
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-
-# importable without the serving extra (fastapi, uvicorn, openai): Transformers guards those imports itself
-from transformers.cli.serving.chat_completion import ChatCompletionHandler
 
 from .utils.chat_template import CHAT_TEMPLATES, write_chat_template
 
@@ -30,6 +29,12 @@ NO_CHAT_TEMPLATE = (
     "/v1/completions with a plain prompt, or give the folder a template: `hf-ppmoe upcycle ... --chat_template chatml` "
     "(or a .jinja file), or `hf_ppmoe.utils.chat_template.write_chat_template(folder, 'chatml')`."
 )
+SEQ2SEQ_NOT_SERVED = (
+    "{model} is an encoder-decoder (Seq2Seq-MoE): Transformers' server (5.24) handles decoder-only models (its "
+    "completion handlers cut the prompt's length off the generated sequence, which for an encoder-decoder holds the "
+    "decoder's tokens only, and its continuous batching has no place for an encoder's output). Generate with "
+    "model.generate(...) in Python (docs/seq2seq.md)."
+)
 # Transformers sizes the default paged cache for an accelerator (8192 tokens a batch and an attention mask to match):
 # on a CPU that mask alone makes every step slow, so a CPU server starts with a small cache unless told otherwise
 CPU_CACHE = dict(num_blocks=64, max_batch_tokens=256, page_size=32)
@@ -37,12 +42,13 @@ CPU_CACHE = dict(num_blocks=64, max_batch_tokens=256, page_size=32)
 
 @dataclass
 class ServeArguments:
-    """`hf-ppmoe serve MODEL [options]`; the options are `transformers serve`'s of the same name."""
+    """`hf-ppmoe serve MODEL [options]`; the options are those of `transformers serve` (`--cb_page_size`: its
+    `--cb-block-size`, by the name its cache config uses now)."""
 
     model: str = field(metadata={"help": "Folder (or Hub id) written by save_pretrained / hf-ppmoe upcycle|train."})
     host: str = field(default="localhost", metadata={"help": "Listen address (127.0.0.1 / localhost: this machine only)."})
     port: int = field(default=8000, metadata={"help": "Listen port."})
-    continuous_batching: bool = field(default=True, metadata={"help": "Continuous batching with a paged cache (decoder-only models)."})
+    continuous_batching: bool = field(default=True, metadata={"help": "Continuous batching with a paged cache."})
     device: str = field(default="auto", metadata={"help": "Device: auto, cpu, cuda:0, ..."})
     dtype: str = field(default="auto", metadata={"help": "Weights' dtype: auto (as saved), bfloat16, float32, ..."})
     attn_implementation: str | None = field(default=None, metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2, ..."})
@@ -93,7 +99,7 @@ def _has_accelerator() -> bool:
 
 def build_app(args: ServeArguments):
     """Transformers' FastAPI app (`transformers.cli.serving.server.build_server`) with its own model manager,
-    generation state and handlers, pinned to `args.model`; chat requests go through `ChatCompletions`."""
+    generation state and handlers, pinned to `args.model`; chat requests go through `chat_completions_handler()`."""
     from transformers.cli.serving.completion import CompletionHandler
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.response import ResponseHandler
@@ -104,8 +110,10 @@ def build_app(args: ServeArguments):
     from transformers.utils import logging
 
     expose_model_classes()
+    if not is_decoder_only(args.model):
+        raise ValueError(SEQ2SEQ_NOT_SERVED.format(model=args.model))
     logging.get_logger("transformers").setLevel(logging.log_levels[args.log_level.lower()])
-    batching = args.continuous_batching and is_decoder_only(args.model)
+    batching = args.continuous_batching
     manager = ModelManager(
         device=args.device,
         dtype=args.dtype,
@@ -117,7 +125,7 @@ def build_app(args: ServeArguments):
     state = GenerationState(continuous_batching=batching, compile=False, cb_config=cache_config(args) if batching else None)
     return build_server(
         manager,
-        ChatCompletions(manager, state),
+        chat_completions_handler()(manager, state),
         completion_handler=CompletionHandler(manager, state),
         response_handler=ResponseHandler(manager, state),
         transcription_handler=TranscriptionHandler(manager, state),
@@ -126,22 +134,32 @@ def build_app(args: ServeArguments):
     )
 
 
-class ChatCompletions(ChatCompletionHandler):
+@functools.cache
+def chat_completions_handler() -> type:
     """Transformers' handler of /v1/chat/completions, answering 400 with `NO_CHAT_TEMPLATE` for a tokenizer without a
-    chat template (its own handler raises inside `apply_chat_template`: a 500)."""
+    chat template (its own handler raises inside `apply_chat_template`: a 500). Built on first use, so that
+    `hf-ppmoe serve --help` answers before torch and Transformers are imported."""
+    from fastapi import HTTPException
+    from transformers.cli.serving.chat_completion import ChatCompletionHandler
 
-    async def handle_request(self, body: dict, request_id: str):
-        from fastapi import HTTPException
+    class ChatCompletions(ChatCompletionHandler):
+        async def handle_request(self, body: dict, request_id: str):
+            self._validate_request(body)
+            _, _, processor = self._resolve_model(dict(body))  # loaded once, then cached by the model manager
+            if getattr(processor, "chat_template", None) is None:
+                raise HTTPException(status_code=400, detail=NO_CHAT_TEMPLATE)
+            return await super().handle_request(body, request_id)
 
-        self._validate_request(body)
-        _, _, processor = self._resolve_model(dict(body))  # loaded once, then cached by the model manager
-        if getattr(processor, "chat_template", None) is None:
-            raise HTTPException(status_code=400, detail=NO_CHAT_TEMPLATE)
-        return await super().handle_request(body, request_id)
+    return ChatCompletions
 
 
 def serve(args: ServeArguments) -> None:
-    """Run the server until interrupted (Ctrl-C, SIGTERM)."""
+    """Run the server until interrupted (Ctrl-C, SIGTERM). ValueError: refused before listening."""
+    from transformers.utils.import_utils import is_serve_available
+
+    if not is_serve_available():
+        raise ValueError("serving needs fastapi, uvicorn, openai and pydantic (Transformers' `serving` extra): "
+                         "pip install -e '.[serve]' in the clone, or pip install 'transformers[serving]'.")
     import uvicorn
 
     if args.host not in ("localhost", "127.0.0.1", "::1"):

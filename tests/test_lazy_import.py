@@ -81,7 +81,7 @@ for argv in (["train", "--help"], ["train", "--output_dir", {file!r}], ["train",
              ["upcycle", "--help"], ["upcycle", {missing!r}, "out", "--num_experts", "x"], ["merge", "--help"],
              ["merge", {missing!r}, "out"], ["import", "--help"], ["export", "--help"],
              ["export", {missing!r}, "out", "--to", "nothing"], ["megatron", "--help"], ["megatron", "to-hf", "--help"],
-             ["megatron", "to-megatron", {missing!r}, "out"]):
+             ["megatron", "to-megatron", {missing!r}, "out"], ["serve", "--help"], ["serve"]):
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         try:
             codes.append(hf_ppmoe_cli.main(argv))
@@ -89,4 +89,4 @@ for argv in (["train", "--help"], ["train", "--output_dir", {file!r}], ["train",
             codes.append(exit.code)
 print(json.dumps([codes, "torch" in sys.modules]))
 """
-    assert json.loads(_python(code)) == [[0, 2, 2, 0, 2, 2, 0, 2, 0, 2, 0, 0, 2, 0, 0, 2], False]
+    assert json.loads(_python(code)) == [[0, 2, 2, 0, 2, 2, 0, 2, 0, 2, 0, 0, 2, 0, 0, 2, 0, 2], False]

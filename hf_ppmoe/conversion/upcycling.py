@@ -316,7 +316,7 @@ def upcycle(
         texts per expert, tokenized with `tokenizer` or the source folder's tokenizer; a T5 reads each text in its
         encoder and, as its target, in its decoder).
     noise_std: N(0, noise_std^2) noise added to each expert's weights to break their symmetry (`seed` draws it).
-    config_overrides: any other field of the target config (capacity_factor, norm_topk_prob, dispatch,
+    config_overrides: any other field of the target config (capacity_factor, norm_topk_prob, experts_implementation,
         router_aux_loss_coef...).
 
     Returns the model, or, with `save_directory`, writes the checkpoint there (sharded safetensors, config, remote code,

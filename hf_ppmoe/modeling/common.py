@@ -61,6 +61,11 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
     # {"AutoModelForCausalLM": "GPTMoEForCausalLM", ...}: Auto classes written into the saved config's auto_map
     _auto_classes: dict[str, str] = {}
 
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Transformers' check of an `experts_implementation`, with ours ("index", "einsum") as known names and
+        "index" as the default (Transformers' default is "grouped_mm")."""
+        return super().get_correct_experts_implementation("index" if requested_experts is None else requested_experts)
+
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters that take part in one token's forward pass, the number MoE models are compared by: all of them,
         less the routed experts a token does not reach (each MoE layer runs k of its E experts; a shared expert and the

@@ -6,10 +6,13 @@ import math
 
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from transformers.utils import logging
 
+from ..moe.experts import EXPERTS_IMPLEMENTATIONS
 from ..moe.gates import AUX_LOSS_SCOPES, get_gate_class
 
-DISPATCH_IMPLEMENTATIONS = ("index", "einsum", "grouped_mm", "batched_mm")
+logger = logging.get_logger(__name__)
 
 
 # Parallel plans of an FFN slot named `mlp` (a dense `MLP` or an `MoELayer`), in Transformers' plan strings; each
@@ -81,8 +84,10 @@ class MoEConfig(PreTrainedConfig):
         moe_layer_frequency: every n-th FFN is MoE (layers n-1, 2n-1, ...); `moe_layers` lists them explicitly.
         moe_intermediate_size: expert inner size (defaults to intermediate_size).
         shared_expert_intermediate_size: > 0 adds a dense shared expert to every MoE layer.
-        dispatch: "index" (PPMoE index_select, default), "einsum" (GShard one-hot einsums), or a Transformers
-            experts kernel ("grouped_mm", "batched_mm").
+        experts_implementation (Transformers' keyword, kept as `_experts_implementation` and, as the attention's,
+            not written to config.json): "index" (PPMoE index_select, the default), "einsum" (GShard one-hot einsums),
+            or a Transformers experts kernel ("grouped_mm", "batched_mm"). A config saved with the former name
+            `dispatch` loads with one warning.
         router_z_loss_coef: weight of the router z-loss added to the loss.
         router_aux_loss_scope: over which tokens the load-balancing loss counts the routes: "micro_batch" (default:
             each forward's tokens, per GShard group), "sequence" (each sequence on its own, then averaged: DeepSeek-V3's
@@ -119,7 +124,6 @@ class MoEConfig(PreTrainedConfig):
     moe_layers: list[int] | None = None
     moe_intermediate_size: int | None = None
     shared_expert_intermediate_size: int = 0
-    dispatch: str = "index"
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
     router_aux_loss_scope: str = "micro_batch"
@@ -130,6 +134,17 @@ class MoEConfig(PreTrainedConfig):
     num_expert_groups: int = 1
     topk_expert_groups: int | None = None
     output_router_logits: bool = False
+
+    def __post_init__(self, **kwargs):
+        # before 0.2 the experts' kernel was the field `dispatch`, a word now kept for the token dispatcher
+        legacy = kwargs.pop("dispatch", None)
+        if legacy is not None:
+            logger.warning_once(
+                f"The config field `dispatch={legacy!r}` is now `experts_implementation` (Transformers' name for the "
+                "experts' kernel): pass experts_implementation=... to the config or to from_pretrained."
+            )
+            kwargs.setdefault("experts_implementation", legacy)
+        super().__post_init__(**kwargs)
 
     def validate_numbers(self) -> None:
         """Raise ValueError, naming the field, for sizes that are not positive integers (4.5, "4", None, -1, True) and
@@ -196,9 +211,10 @@ class MoEConfig(PreTrainedConfig):
             f"router_type={self.router_type!r} would ignore them.",
         )
         get_gate_class(self.router_type).check_config(self)
+        known = (*EXPERTS_IMPLEMENTATIONS, "eager", *ALL_EXPERTS_FUNCTIONS.keys())
         check(
-            self.dispatch in DISPATCH_IMPLEMENTATIONS,
-            f"Unknown dispatch {self.dispatch!r}; use one of {', '.join(DISPATCH_IMPLEMENTATIONS)}.",
+            self._experts_implementation in (None, *known),
+            f"Unknown experts_implementation {self._experts_implementation!r}; use one of {', '.join(dict.fromkeys(known))}.",
         )
         check(
             self.hidden_act in ACT2FN,

@@ -1,4 +1,4 @@
-"""Expert weights and their dispatch implementations.
+"""Expert weights and their kernels (experts implementations).
 
 Legend: T tokens, H hidden, I expert inner size, E experts (held by this module), K routes per token,
 N routes that reach an expert, G groups, S group size, C capacity.
@@ -9,15 +9,19 @@ along dim 1 for gated MLPs or `up_proj [E, I, H]`, `down_proj [E, H, I]`, option
 The kernels below multiply `x @ W[e].T` (input-first views of these tensors); why this orientation:
 benchmarks/RESULTS.md, Generation.
 
-It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])`; ids equal to
-`num_experts` are skipped. `Experts.forward` looks its implementation up in one registry, `EXPERTS_FUNCTIONS`
-(Transformers' `ExpertsInterface` with ours added), by the name `Experts.implementation` gives for the call:
+It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])` — Transformers'
+`forward(hidden_states, top_k_index, top_k_weights)`; ids equal to `num_experts` are skipped. The kernel is the
+model's `experts_implementation`, as Transformers names it (`config._experts_implementation`,
+`from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation(...)`); ours, "index" and
+"einsum", are registered by name in Transformers' `ExpertsInterface`. `Experts.forward` looks the implementation up
+in one registry, `EXPERTS_FUNCTIONS` (Transformers' `ExpertsInterface` with our internal forms added), by the name
+`Experts.implementation` gives for the call:
 
-- `dispatch="index"` (PPMoE Algorithm 1, the default): the capability table (`kernels.CAPABILITIES`) picks
+- `"index"` (PPMoE Algorithm 1, the default; also Transformers' "eager", the module's own): the capability table (`kernels.CAPABILITIES`) picks
   `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, gather back, weight:
   work proportional to the routes, no padding, no one-hot tensors) or, without gradients, `all_experts` /
   `cpu_decode` (decoding forms).
-- `dispatch="einsum"` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums
+- `"einsum"` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums
   over a static per-expert buffer. Memory and time grow with E * C; kept as the reference formulation.
 - any name registered in Transformers' `ExpertsInterface` (`grouped_mm`, `batched_mm`, ...): their kernels run on
   our weights unchanged; `grouped_mm` only where the table gives torch's kernel (else the table's choice).
@@ -60,7 +64,7 @@ class MLP(nn.Module):
 
 
 class Experts(nn.Module):
-    """E experts with stacked weights; see the module docstring for the layout and the dispatch implementations."""
+    """E experts with stacked weights; see the module docstring for the layout and the experts implementations."""
 
     def __init__(self, config, num_experts: int | None = None, intermediate_size: int | None = None):
         super().__init__()
@@ -85,7 +89,6 @@ class Experts(nn.Module):
         nn.init.normal_(self.down_proj, std=std)
         self.act_fn = ACT2FN[config.hidden_act]
         self.swiglu = self.has_gate and config.hidden_act in ("silu", "swish")
-        self.dispatch = config.dispatch
         warn_if_no_grouped_mm()
         # attributes read by Transformers' experts kernels; sentinel routes are masked there when this is True
         self.config = config
@@ -97,7 +100,7 @@ class Experts(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_dim}, intermediate_size={self.intermediate_dim}, "
-            f"gated={self.has_gate}, bias={self.has_bias}, dispatch={self.dispatch!r}"
+            f"gated={self.has_gate}, bias={self.has_bias}, experts_implementation={self.experts_implementation!r}"
         )
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -119,20 +122,30 @@ class Experts(nn.Module):
     def _activate(self, h: torch.Tensor) -> torch.Tensor:
         return self._apply_gate(h) if self.has_gate else self.act_fn(h)
 
-    def forward(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        # exactly these three positional arguments: Transformers' expert-parallel wrapper calls it this way too
-        implementation = EXPERTS_FUNCTIONS[self.implementation(hidden_states, expert_ids)]
-        return implementation(self, hidden_states, expert_ids, weights)
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden_states [T, H], top_k_index [T, K] (expert ids; `num_experts`: a route that goes nowhere),
+        top_k_weights [T, K] -> [T, H]: Transformers' experts interface, names included (its expert-parallel wrapper
+        and serving engines' Transformers backends call it so)."""
+        implementation = EXPERTS_FUNCTIONS[self.implementation(hidden_states, top_k_index)]
+        return implementation(self, hidden_states, top_k_index, top_k_weights)
+
+    @property
+    def experts_implementation(self) -> str:
+        """The kernel chosen for the model (`config._experts_implementation`): "index" when none was chosen (a layer
+        built outside a model) or Transformers' "eager" (the module's own forward) was."""
+        name = getattr(self.config, "_experts_implementation", None)
+        return "index" if name in (None, "eager") else name
 
     def implementation(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor) -> str:
-        """The name in `EXPERTS_FUNCTIONS` that runs this call. `dispatch="index"`: the capability table's choice
+        """The name in `EXPERTS_FUNCTIONS` that runs this call. "index": the capability table's choice
         (`kernels.CAPABILITIES`); Transformers' `grouped_mm` where the table gives torch's kernel, else the table's
         choice too (float64, sizes off the kernel's 16-byte rule, ...); any other name as set."""
-        if self.dispatch == "grouped_mm" and table_choice(self, hidden_states, expert_ids, grad=True) == "index_kernel":
+        name = self.experts_implementation
+        if name == "grouped_mm" and table_choice(self, hidden_states, expert_ids, grad=True) == "index_kernel":
             return "grouped_mm"
-        if self.dispatch in ("index", "grouped_mm"):
+        if name in ("index", "grouped_mm"):
             return table_choice(self, hidden_states, expert_ids, torch.is_grad_enabled())
-        return self.dispatch
+        return name
 
 
 def table_choice(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, grad: bool) -> str:
@@ -274,7 +287,8 @@ def index_loop(experts, x, expert_ids, weights):
 
 
 def index_dispatch(experts, x, expert_ids, weights):
-    """`dispatch="index"`: PPMoE Algorithm 1 or its decoding forms, as the capability table picks for this call."""
+    """`experts_implementation="index"`: PPMoE Algorithm 1 or its decoding forms, as the capability table picks for
+    this call."""
     name = table_choice(experts, x, expert_ids, torch.is_grad_enabled())
     return EXPERTS_FUNCTIONS[name](experts, x, expert_ids, weights)
 
@@ -348,7 +362,7 @@ def einsum_dispatch(
     The dispatch and combine einsums sum over all tokens of a group with 0/1 coefficients, and 0 * NaN is NaN: a
     token with a non-finite input would turn every buffer slot, hence every token's output, NaN. Such tokens are
     dispatched as zeros and their outputs set to NaN afterwards, so a non-finite value stays in its own token (as in
-    the `index` dispatch, which never mixes tokens); two elementwise operations, no host sync.
+    the `index` implementation, which never mixes tokens); two elementwise operations, no host sync.
     """
     finite = torch.isfinite(x).all(-1, keepdim=True)  # [T, 1]
     x = x.masked_fill(~finite, 0.0)
@@ -400,18 +414,22 @@ def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> t
 
 
 def _einsum_experts(experts, x, expert_ids, weights):
-    """`dispatch="einsum"`: GShard's groups as the gate made them."""
+    """`experts_implementation="einsum"`: GShard's groups as the gate made them."""
     return einsum_dispatch(experts, x, expert_ids, weights, group_size_for(len(x), experts.config.router_num_groups))
 
 
-# One registry: Transformers' experts implementations (`grouped_mm`, `batched_mm`, ...) and ours; a name registered on
-# Transformers' `ExpertsInterface` is found here too.
+# Ours, by name, in Transformers' own registry (`ExpertsInterface.register`): `from_pretrained(...,
+# experts_implementation="einsum")` and `set_experts_implementation` accept them as they accept "grouped_mm".
+EXPERTS_IMPLEMENTATIONS = ("index", "einsum")
+ExpertsInterface.register("index", index_dispatch)
+ExpertsInterface.register("einsum", _einsum_experts)
+
+# One registry for `Experts.forward`: Transformers' experts implementations (`grouped_mm`, `batched_mm`, ...), ours, and
+# the forms the capability table picks between (not names a user chooses, so kept out of Transformers' registry).
 EXPERTS_FUNCTIONS = ExpertsInterface()
 EXPERTS_FUNCTIONS.update(
-    index=index_dispatch,
     index_kernel=index_kernel,
     index_loop=index_loop,
     all_experts=all_experts,
     cpu_decode=cpu_decode,
-    einsum=_einsum_experts,
 )

@@ -34,7 +34,7 @@ _DOING = {
 _MOE_FIELDS = (
     "num_experts", "num_experts_per_tok", "router_type", "capacity_factor", "eval_capacity_factor", "moe_layer_frequency",
     "moe_layers", "encoder_moe_layers", "decoder_moe_layers", "encoder_moe_layer_frequency", "decoder_moe_layer_frequency",
-    "dispatch", "router_aux_loss_coef", "router_z_loss_coef", "shared_expert_intermediate_size",
+    "router_aux_loss_coef", "router_z_loss_coef", "shared_expert_intermediate_size",
 )
 _KEPT_HEADING = "## Card of the source model (its README.md, kept)"
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")

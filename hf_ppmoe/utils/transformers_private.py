@@ -29,6 +29,12 @@ class PrivateHooks:
     """Put before `PreTrainedModel` in a model base class's bases; the class defines `keep_own_plan_rules(plans)` and
     `load_guarded(checkpoint_files, source, subfolder, load)`."""
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        # Transformers decides by looking for `@use_experts_implementation` in the model's source file; ours read
+        # `config._experts_implementation` in `Experts` (hf_ppmoe.moe.experts) instead
+        return True
+
     def _resolve_parallel_plans(self, distributed_config):
         return self.keep_own_plan_rules(super()._resolve_parallel_plans(distributed_config))
 

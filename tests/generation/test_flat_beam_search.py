@@ -140,9 +140,9 @@ def seq2seq_moe(gate, attn="sdpa", **overrides):
 
 SEQ2SEQ_MODELS = {
     **{f"seq2seq_moe-{g}": lambda g=g: seq2seq_moe(g) for g in GATES},
-    # T5 v1.0 style (tied, rescaled head), eager attention, einsum dispatch
+    # T5 v1.0 style (tied, rescaled head), eager attention, einsum experts
     "seq2seq_moe-gshard-eager-tied": lambda: seq2seq_moe("gshard", attn="eager", tie_word_embeddings=True,
-                                                         scale_decoder_outputs=True, dispatch="einsum"),
+                                                         scale_decoder_outputs=True, experts_implementation="einsum"),
 }
 # decoder positions past relative_attention_max_distance (16) as well
 SEQ2SEQ_CASES = CASES + [(3, 1.0, "never", 2, 20, "likely")]

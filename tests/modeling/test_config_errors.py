@@ -12,7 +12,7 @@ BAD_CONFIGS = [
     (dict(hidden_size=30), "hidden_size=30 is not divisible by num_attention_heads=4"),
     (dict(num_key_value_heads=3), "num_attention_heads=4 is not divisible by num_key_value_heads=3"),
     (dict(router_type="hash"), "Unknown router_type 'hash'. Known gates: gshard, prototype, switch, topk"),
-    (dict(dispatch="alltoall"), "Unknown dispatch 'alltoall'; use one of index, einsum"),
+    (dict(experts_implementation="alltoall"), "Unknown experts_implementation 'alltoall'; use one of index, einsum"),
     (dict(hidden_act="swish2"), "Unknown hidden_act 'swish2'"),
     (dict(router_type="prototype", num_experts=6, num_experts_per_tok=4), "which must divide it evenly"),
     (dict(router_type="gshard", num_experts_per_tok=1), "router_type='gshard' is GShard's top-2 gating"),
@@ -48,4 +48,4 @@ def test_bad_config_is_refused(overrides, message):
 
 def test_good_configs_are_accepted():
     tiny_gpt_config(hidden_size=30, head_dim=8)  # explicit head_dim lifts the divisibility rule
-    tiny_gpt_config(capacity_factor=None, eval_capacity_factor=2.0, dispatch="einsum", moe_layers=[1])
+    tiny_gpt_config(capacity_factor=None, eval_capacity_factor=2.0, experts_implementation="einsum", moe_layers=[1])

@@ -22,7 +22,7 @@ BAD_CONFIGS = [
     (dict(num_experts_per_tok=5, num_experts=4), "num_experts_per_tok=5 must be between 1 and num_experts=4"),
     (dict(router_type="gshard", num_experts_per_tok=1), "router_type='gshard' is GShard's top-2 gating"),
     (dict(router_type="hash"), "Unknown router_type 'hash'"),
-    (dict(dispatch="alltoall"), "Unknown dispatch 'alltoall'"),
+    (dict(experts_implementation="alltoall"), "Unknown experts_implementation 'alltoall'"),
     (dict(hidden_act="swish2"), "Unknown hidden_act 'swish2'"),
     (dict(capacity_factor=0.0), "capacity_factor=0.0 must be > 0"),
     (dict(moe_layer_frequency=0), "moe_layer_frequency must be >= 1"),

@@ -26,11 +26,11 @@ def src(batch=2, length=7):
     return torch.randint(3, 97, (batch, length))
 
 
-@pytest.mark.parametrize("dispatch", ["index", "einsum"])
+@pytest.mark.parametrize("experts_implementation", ["index", "einsum"])
 @pytest.mark.parametrize("gate", GATES)
-def test_generate_with_cache_equals_without(gate, dispatch):
+def test_generate_with_cache_equals_without(gate, experts_implementation):
     # a decoder deeper than the encoder: Transformers sizes the generation cache from the encoder's depth
-    model = make_model(gate, dispatch=dispatch, num_decoder_layers=3)
+    model = make_model(gate, experts_implementation=experts_implementation, num_decoder_layers=3)
     ids = src()
     kw = dict(max_new_tokens=6, do_sample=False, eos_token_id=None)
     encoder_calls = []
@@ -185,13 +185,13 @@ def copy_dense_into_identical_experts(moe_model, dense_model):
                 experts.down_proj.copy_(mlp.down_proj.weight.expand_as(experts.down_proj))
 
 
-@pytest.mark.parametrize("dispatch", ["index", "einsum"])
+@pytest.mark.parametrize("experts_implementation", ["index", "einsum"])
 @pytest.mark.parametrize("gate, gated", [("topk", True), ("gshard", False)])
-def test_identical_experts_equal_the_dense_model(gate, gated, dispatch):
+def test_identical_experts_equal_the_dense_model(gate, gated, experts_implementation):
     # both gates' combine weights sum to one (normalised top-k, GShard's g1 + g2), so E copies of one FFN are that FFN
     kw = dict(gated_mlp=gated, hidden_act="gelu_new" if gated else "relu", moe_layer_frequency=2, num_hidden_layers=3)
     dense = make_model(encoder_moe_layers=[], decoder_moe_layers=[], **kw)
-    moe = make_model(gate, dispatch=dispatch, **kw)
+    moe = make_model(gate, experts_implementation=experts_implementation, **kw)
     assert moe.model.encoder.num_moe_layers == 1 and moe.model.decoder.num_moe_layers == 1
     with torch.no_grad():
         for p in dense.parameters():  # large weights, so that a wrong expert or weight would show
@@ -248,7 +248,7 @@ SAVE_AND_COMPARE = """
 import sys, torch
 {blocker}
 from transformers import AutoModelForSeq2SeqLM
-model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code={trust}).eval()
+model = AutoModelForSeq2SeqLM.from_pretrained(sys.argv[1], trust_remote_code={trust}{load_kwargs}).eval()
 ids, labels, logits, tokens = torch.load(sys.argv[2])
 assert type(model).__module__.startswith({module!r}), type(model).__module__
 assert model.lm_head.weight is model.model.shared.weight, "head no longer tied"
@@ -264,7 +264,7 @@ print("OK")
 def test_save_load_round_trip_in_a_fresh_process_without_hf_ppmoe(tmp_path):
     """Bit-exact logits and generations from the saved folder, loaded with trust_remote_code where hf_ppmoe cannot be
     imported (loading with hf_ppmoe installed: test_auto_classes_and_untied_round_trip)."""
-    model = make_model("gshard", tie_word_embeddings=True, scale_decoder_outputs=True, dispatch="einsum")
+    model = make_model("gshard", tie_word_embeddings=True, scale_decoder_outputs=True, experts_implementation="einsum")
     model.save_pretrained(tmp_path / "ckpt")
     ids, labels = src(), torch.randint(3, 97, (2, 5))
     expected = (ids, labels, model(ids, labels=labels).logits, model.generate(ids, max_new_tokens=4, num_beams=2))
@@ -272,8 +272,10 @@ def test_save_load_round_trip_in_a_fresh_process_without_hf_ppmoe(tmp_path):
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
     assert {"config.json", "model.safetensors", "modeling_seq2seq_moe.py", "configuration_seq2seq_moe.py",
             "moe_layer.py", "moe_gates.py", "common.py"} <= files
+    # the experts' kernel is a run-time choice, as the attention's (not in config.json): asked for again on loading
     script = SAVE_AND_COMPARE.format(
-        blocker="sys.modules['hf_ppmoe'] = None  # hf_ppmoe cannot be imported", trust=True, module="transformers_modules"
+        blocker="sys.modules['hf_ppmoe'] = None  # hf_ppmoe cannot be imported", trust=True, module="transformers_modules",
+        load_kwargs=", experts_implementation='einsum'",
     )
     result = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")],

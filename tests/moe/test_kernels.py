@@ -1,4 +1,4 @@
-"""The capability table and the implementations it picks: every implementation gives the index dispatch's numbers,
+"""The capability table and the implementations it picks: every implementation gives the index implementation's numbers,
 torch's grouped GEMM cannot leak what it leaves undefined into gradients, Transformers' `grouped_mm` falls back
 instead of crashing where the kernel cannot run, the README quotes the table the code uses, and the torch floor is
 the release with the kernel."""
@@ -138,10 +138,10 @@ def test_empty_experts_and_sentinel_tails_get_exact_zero_gradients_whatever_the_
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("hidden,inner", [(32, 1), (32, 2), (32, 3), (30, 6), (16, 4), (24, 5), (8, 8)])
 def test_transformers_grouped_mm_dispatch_falls_back_instead_of_crashing(hidden, inner, dtype):
-    """`dispatch="grouped_mm"` (Transformers' kernel on our weights) at sizes and dtypes the kernel refuses (rows
-    off its 16-byte rule, float64) runs the table's fallback, with the index dispatch's numbers."""
+    """`experts_implementation="grouped_mm"` (Transformers' kernel on our weights) at sizes and dtypes the kernel refuses (rows
+    off its 16-byte rule, float64) runs the table's fallback, with the index implementation's numbers."""
     sizes = dict(hidden_size=hidden, intermediate_size=inner, num_attention_heads=1, num_key_value_heads=1)
-    layer = MoELayer(tiny_gpt_config(**sizes, dispatch="grouped_mm")).to(dtype).train()
+    layer = MoELayer(tiny_gpt_config(**sizes, experts_implementation="grouped_mm")).to(dtype).train()
     reference = MoELayer(tiny_gpt_config(**sizes)).to(dtype).train()
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(10, hidden, dtype=dtype)
@@ -165,10 +165,10 @@ def test_experts_run_what_the_registry_holds_under_the_name_they_resolve(monkeyp
     assert layer.experts.implementation(x, ids) == "index_kernel"
     calls = []
     monkeypatch.setitem(EXPERTS_FUNCTIONS, "mine", lambda experts, *args: calls.append(args) or args[0])
-    layer.experts.dispatch = "mine"
+    layer.experts.config._experts_implementation = "mine"
     y, _ = layer(x)
     assert len(calls) == 1 and torch.equal(y, x)
-    layer.experts.dispatch = "batched_mm"  # Transformers' own, through the same registry
+    layer.experts.config._experts_implementation = "batched_mm"  # Transformers' own, through the same registry
     assert layer.experts.implementation(x, ids) == "batched_mm" and "batched_mm" in EXPERTS_FUNCTIONS
 
 
@@ -197,7 +197,7 @@ def test_few_routes_without_gradients_touch_only_the_routed_experts(grad, monkey
 
 
 def test_few_routes_with_dropped_and_padded_routes_equal_the_einsum_reference():
-    """The decoding form's single anchor serves the routes that go nowhere: outputs equal GShard's einsum dispatch."""
+    """The decoding form's single anchor serves the routes that go nowhere: outputs equal GShard's einsum implementation."""
     config = tiny_gpt_config(num_experts=16, num_experts_per_tok=2, eval_capacity_factor=2.0)
     layer = MoELayer(config).eval()
     x = torch.randn(4, 32)

@@ -138,10 +138,10 @@ class LargestTensor(TorchDispatchMode):
 
 
 def test_einsum_dispatch_off_the_cpu_is_sized_by_the_gate_capacity():
-    """Off the CPU the einsum dispatch cannot read the batch's largest expert load; its buffers [G, S, E, C] must still
+    """Off the CPU the einsum implementation cannot read the batch's largest expert load; its buffers [G, S, E, C] must still
     be sized by the gate's capacity C, not by the group size S (O(E S^2))."""
     T, E, k, factor = 512, 8, 2, 1.0
-    config = tiny_gpt_config(**SIZES, num_experts=E, num_experts_per_tok=k, capacity_factor=factor, dispatch="einsum")
+    config = tiny_gpt_config(**SIZES, num_experts=E, num_experts_per_tok=k, capacity_factor=factor, experts_implementation="einsum")
     layer = MoELayer(config).to("meta").train()
     x = torch.empty(T, 64, device="meta")
     with LargestTensor() as largest:

@@ -24,7 +24,7 @@ GATES = {
         router_type="switch", num_experts_per_tok=1, capacity_factor=1.0, router_jitter_noise=0.1, **GPT2_STYLE
     ),
     "topk_capacity_shared": dict(router_type="topk", capacity_factor=0.5, shared_expert_intermediate_size=24),
-    "topk_dropless_einsum": dict(router_type="topk", dispatch="einsum", **GPT2_STYLE),
+    "topk_dropless_einsum": dict(router_type="topk", experts_implementation="einsum", **GPT2_STYLE),
     "prototype_capacity": dict(router_type="prototype", capacity_factor=0.75, shared_expert_intermediate_size=16),
 }
 # the same gates in the encoder-decoder, alternating T5 v1.1 (gated, untied) and v1.0 (ReLU, tied, rescaled head),
@@ -38,7 +38,7 @@ SEQ2SEQ_GATES = {
     "topk_capacity_shared": dict(
         router_type="topk", capacity_factor=0.5, shared_expert_intermediate_size=24, moe_layer_frequency=2
     ),
-    "topk_dropless_einsum": dict(router_type="topk", dispatch="einsum", moe_layer_frequency=2, **T5_V10),
+    "topk_dropless_einsum": dict(router_type="topk", experts_implementation="einsum", moe_layer_frequency=2, **T5_V10),
     "prototype_capacity": dict(router_type="prototype", capacity_factor=0.75, shared_expert_intermediate_size=16),
 }
 SEQ2SEQ_PIPELINE = dict(seq2seq=True, router_jitter_noise=0.1, moe_layer_frequency=1, **T5_V10)

@@ -1,6 +1,6 @@
 """Both families under reentrant gradient checkpointing (what PEFT's k-bit preparation uses) give the gradients of
 no checkpointing, router losses included; a Seq2Seq-MoE checkpoint without `shared.weight` reports it missing and
-initialises it instead of keeping a meta tensor; Seq2SeqMoEConfig states its head_dim; with `einsum` dispatch a
+initialises it instead of keeping a meta tensor; Seq2SeqMoEConfig states its head_dim; with the `einsum` experts implementation a
 non-finite input stays in its own token, as with `index`."""
 
 import copy
@@ -76,13 +76,13 @@ def test_models_seq2seq_config_states_its_head_dim():
 @pytest.mark.parametrize("capacity_factor", [None, 1.5])
 def test_models_einsum_dispatch_keeps_a_non_finite_input_in_its_token(capacity_factor):
     outputs = {}
-    for dispatch in ("index", "einsum"):
+    for implementation in ("index", "einsum"):
         torch.manual_seed(0)
-        config = tiny_gpt_config(dispatch=dispatch, router_type="gshard", capacity_factor=capacity_factor)
+        config = tiny_gpt_config(experts_implementation=implementation, router_type="gshard", capacity_factor=capacity_factor)
         layer = MoELayer(config).eval()
         x = torch.randn(6, 32)
         x[2, 5], x[4, 0] = float("nan"), float("inf")
-        outputs[dispatch], _ = layer(x)
+        outputs[implementation], _ = layer(x)
     for out in outputs.values():
         assert torch.isnan(out).any(-1).tolist() == [False, False, True, False, True, False]
     finite = torch.tensor([0, 1, 3, 5])

@@ -3,12 +3,14 @@ docs/serving.md shows. The server runs on 127.0.0.1 in its own process, started 
 every request has a bounded timeout. Its answers equal `generate`'s greedy output for the same prompt."""
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +19,8 @@ from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
 
-openai = pytest.importorskip("openai", reason="the serving extra: pip install 'hf-ppmoe[serve]'")
-pytest.importorskip("fastapi", reason="the serving extra: pip install 'hf-ppmoe[serve]'")
+openai = pytest.importorskip("openai", reason="the serving extra: pip install -e '.[serve]'")
+pytest.importorskip("fastapi", reason="the serving extra: pip install -e '.[serve]'")
 
 MAX_TOKENS = 8
 START_TIMEOUT_S = 240  # import + model load on a busy two-core machine
@@ -38,12 +40,12 @@ def save_tiny_model(folder, chat_template: str | None):
     return folder
 
 
-def greedy_text(folder, ids: list[int]) -> str:
+def greedy_text(folder, ids: list[int], max_tokens: int = MAX_TOKENS) -> str:
     from transformers import AutoTokenizer
 
     model = GPTMoEForCausalLM.from_pretrained(folder).eval()
     out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                         max_new_tokens=MAX_TOKENS, do_sample=False)
+                         max_new_tokens=max_tokens, do_sample=False)
     return AutoTokenizer.from_pretrained(folder).decode(out[0, len(ids):], skip_special_tokens=True)
 
 
@@ -96,24 +98,55 @@ def client(base_url):
     return openai.OpenAI(base_url=base_url, api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0)
 
 
+def expected_completion(folder, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
+    return greedy_text(folder, tokenizer()(prompt)["input_ids"], max_tokens)
+
+
+def expected_chat(folder, messages, max_tokens: int = MAX_TOKENS) -> str:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return greedy_text(folder, list(ids["input_ids"] if hasattr(ids, "keys") else ids), max_tokens)
+
+
 def test_completion_equals_greedy_generate(server):
     folder, base_url = server
     prompt = "def add(a, b):"
     answer = client(base_url).completions.create(model=str(folder), prompt=prompt, max_tokens=MAX_TOKENS, temperature=0)
-    assert answer.choices[0].text == greedy_text(folder, tokenizer()(prompt)["input_ids"])
+    assert answer.choices[0].text == expected_completion(folder, prompt)
 
 
 def test_chat_completion_equals_greedy_generate(server):
-    from transformers import AutoTokenizer
-
     folder, base_url = server
     messages = [{"role": "user", "content": "The for statement iterates"}]
     answer = client(base_url).chat.completions.create(
         model=str(folder), messages=messages, max_tokens=MAX_TOKENS, temperature=0
     )
-    ids = AutoTokenizer.from_pretrained(folder).apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-    assert answer.choices[0].message.content == greedy_text(folder, list(ids))
+    assert answer.choices[0].message.content == expected_chat(folder, messages)
+
+
+def test_the_docs_client_snippet(server, capsys):
+    """docs/serving.md's client snippet, as written, against this server: it prints generate's greedy answers."""
+    folder, base_url = server
+    doc = (Path(__file__).parents[2] / "docs" / "serving.md").read_text()
+    snippet = re.search(r"## The client\n\n```python\n(.*?)```", doc, re.S).group(1)
+    assert "http://localhost:8000/v1" in snippet and "path/to/model" in snippet
+    exec(snippet.replace("http://localhost:8000/v1", base_url).replace("path/to/model", str(folder)), {})
+    printed = capsys.readouterr().out
+    completion = expected_completion(folder, "def add(a, b):", 16)
+    chat = expected_chat(folder, [{"role": "user", "content": "Say hello."}], 16)
+    assert printed == f"{completion}\n{chat}\n"
+
+
+def test_an_encoder_decoder_is_refused_with_the_reason(tmp_path):
+    from helpers import tiny_seq2seq_config
+
+    from hf_ppmoe import Seq2SeqMoEForConditionalGeneration
+    from hf_ppmoe.serving import ServeArguments, build_app
+
+    Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config()).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        build_app(ServeArguments(model=str(tmp_path), device="cpu"))
 
 
 def test_chat_without_template_is_a_clear_400(tmp_path):
