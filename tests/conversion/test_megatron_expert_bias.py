@@ -29,3 +29,23 @@ def test_expert_bias_round_trips_through_megatron_shards(tp, pp):
         assert by_name and all(len(b) == 2 and torch.equal(b[0], b[1]) for b in by_name.values())
     back = from_megatron(shards, model.config, tp=tp, pp=pp)
     assert set(back) == set(sd) and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_megatron_config_takes_sigmoid_bias_scaling_and_groups():
+    from hf_ppmoe.parallel.megatron_plugin import transformer_config_kwargs
+
+    config = tiny_gpt_config(num_experts=8, num_experts_per_tok=4, router_score_function="sigmoid",
+                             router_expert_bias=True, router_bias_update_rate=0.01, routed_scaling_factor=2.5,
+                             num_expert_groups=4, topk_expert_groups=2)
+    kw = transformer_config_kwargs(config)
+    assert (kw["moe_router_score_function"], kw["moe_router_enable_expert_bias"], kw["moe_router_bias_update_rate"],
+            kw["moe_router_topk_scaling_factor"], kw["moe_router_num_groups"], kw["moe_router_group_topk"]) == (
+        "sigmoid", True, 0.01, 2.5, 4, 2)
+    for overrides, message in [
+        (dict(router_expert_bias=True), "expert bias needs"),
+        (dict(router_score_function="sigmoid", norm_topk_prob=False), "renormalises sigmoid"),
+        (dict(num_experts=8, num_experts_per_tok=2, num_expert_groups=4, topk_expert_groups=2), "top k / topk_groups"),
+        (dict(router_aux_loss_scope="sequence"), "router_aux_loss_scope='sequence'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            transformer_config_kwargs(tiny_gpt_config(**overrides))
