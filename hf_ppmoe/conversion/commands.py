@@ -56,6 +56,7 @@ class UpcycleArguments(_Output, _Paths):
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
     sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
+    reinit_ratio: float = field(default=0.0, metadata=_help("Drop-Upcycling: share of each expert's FFN dimensions re-initialised (0: exact copies)."))
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
     norm_topk_prob: bool = field(default=True, metadata=_help("topk gate: renormalize the top-k weights."))
@@ -168,6 +169,7 @@ def run_upcycle(args: UpcycleArguments) -> Path:
         router_init=args.router_init,
         sample_texts=_texts(args),
         noise_std=args.noise_std,
+        reinit_ratio=args.reinit_ratio,
         seed=args.seed,
         capacity_factor=args.capacity_factor,
         norm_topk_prob=args.norm_topk_prob,

@@ -97,6 +97,16 @@ def _routing_reasons(c, label: str) -> list[str]:
         for name, when in (("capacity_factor", "training"), ("eval_capacity_factor", "evaluation"))
         if (value := getattr(c, name)) is not None
     ]
+    reasons += [
+        f"{name}={value!r}: {what}; {label}'s router is a softmax top-k with neither"
+        for name, default, what in (
+            ("router_score_function", "softmax", "sigmoid scores"),
+            ("router_expert_bias", False, "a per-expert selection bias"),
+            ("num_expert_groups", 1, "group-limited routing"),
+            ("routed_scaling_factor", 1.0, "scaled combine weights"),
+        )
+        if (value := getattr(c, name, default)) != default
+    ]
     if c.router_jitter_noise > 0:
         reasons.append(
             f"router_jitter_noise={c.router_jitter_noise}: ours jitters only the router's input; "

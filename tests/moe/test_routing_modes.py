@@ -230,3 +230,16 @@ def test_seq2seq_replay_per_stack_equals_the_normal_forward():
         assert torch.equal(a, b)
     torch.testing.assert_close(replayed.logits, normal.logits)
     torch.testing.assert_close(replayed.aux_loss, normal.aux_loss)
+
+
+def test_export_and_megatron_refuse_the_routing_they_cannot_express():
+    from hf_ppmoe.conversion.export import export_reasons
+    from hf_ppmoe.parallel.megatron_plugin import megatron_lm_args
+
+    model = GPTMoEForCausalLM(tiny_gpt_config(moe_layer_frequency=1, router_score_function="sigmoid",
+                                              router_expert_bias=True))
+    reasons = " ".join(export_reasons(model, "mixtral"))
+    assert "router_score_function='sigmoid'" in reasons and "router_expert_bias=True" in reasons
+    megatron_lm_args(model.config, tp=1, pp=1)  # Megatron-core has both (test_megatron_expert_bias.py)
+    with pytest.raises(ValueError, match="Megatron's expert bias needs"):
+        megatron_lm_args(tiny_gpt_config(router_expert_bias=True), tp=1, pp=1)
