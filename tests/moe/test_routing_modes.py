@@ -234,7 +234,7 @@ def test_seq2seq_replay_per_stack_equals_the_normal_forward():
 
 def test_export_and_megatron_refuse_the_routing_they_cannot_express():
     from hf_ppmoe.conversion.export import export_reasons
-    from hf_ppmoe.parallel.megatron_plugin import megatron_lm_args
+    from hf_ppmoe.megatron.plugin import megatron_lm_args
 
     model = GPTMoEForCausalLM(tiny_gpt_config(moe_layer_frequency=1, router_score_function="sigmoid",
                                               router_expert_bias=True))

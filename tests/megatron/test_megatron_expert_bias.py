@@ -6,7 +6,7 @@ import torch
 from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.conversion.megatron_checkpoint import from_megatron, to_megatron
+from hf_ppmoe.megatron.weights import from_megatron, to_megatron
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2)])
@@ -32,7 +32,7 @@ def test_expert_bias_round_trips_through_megatron_shards(tp, pp):
 
 
 def test_megatron_config_takes_sigmoid_bias_scaling_and_groups():
-    from hf_ppmoe.parallel.megatron_plugin import transformer_config_kwargs
+    from hf_ppmoe.megatron.plugin import transformer_config_kwargs
 
     config = tiny_gpt_config(num_experts=8, num_experts_per_tok=4, router_score_function="sigmoid",
                              router_expert_bias=True, router_bias_update_rate=0.01, routed_scaling_factor=2.5,
