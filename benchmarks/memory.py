@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
 from hf_ppmoe.parallel import init_distributed, state_bytes
-from hf_ppmoe.training.parallel_setup import DataParallel, split_model
+from hf_ppmoe.training.parallel_setup import DataParallelGroup, split_model
 
 # per world size: the layouts (fsdp, tp, pp, ep; the remaining processes are replicas)
 LAYOUTS = {
@@ -60,7 +60,7 @@ def measure(layout: dict, config: dict, batch: int = 2, length: int = 32) -> dic
     {"params", "grads", "optimizer"} bytes."""
     world = dist.get_world_size()
     sizes = dict(tp_size=layout.get("tp", 1), pp_size=layout.get("pp", 1), fsdp_size=layout.get("fsdp", 1))
-    dp = DataParallel(SimpleNamespace(process_index=dist.get_rank(), num_processes=world), **sizes,
+    dp = DataParallelGroup(SimpleNamespace(process_index=dist.get_rank(), num_processes=world), **sizes,
                       ep_size=layout.get("ep"))
     torch.manual_seed(0)
     model = GPTMoEForCausalLM(GPTMoEConfig(**config)).train()

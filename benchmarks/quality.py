@@ -5,11 +5,10 @@ M6-T expert prototyping against top-k, GShard capacity 1.25 against 2.0, sparse 
     python benchmarks/quality.py --full     # full scale: one CUDA GPU, bf16 autocast, 5 seeds
     python benchmarks/quality.py --smoke    # seconds: 2 arms + upcycling, 1 seed, a few steps (the test runs it)
 
-Corpus (no download): the .py files of the CPython standard library this interpreter ships (code, comments and
-docstrings; test suites included; site-packages excluded), split into train / validation BY FILE (every 20th file
-in the order of the SHA-1 of its relative path is validation), tokenized with a byte-level BPE fitted on the train
-files only. Documents are joined with an end-of-text token; training batches are random windows of the train stream,
-the same windows for every arm of a seed; validation is a fixed set of evenly spaced windows of the validation stream.
+Corpus, models, FLOP count and training loop: `hf_ppmoe/demo/protocol.py` (`hf-ppmoe demo` runs a reduced form
+of the same experiment: `dense` against `top2` from scratch, and the upcycling pair). In short: the CPython standard
+library's .py files, split into train / held-out by file; byte-level BPE fitted on train; random train windows, the
+same for every arm of a seed; AdamW, warmup then cosine decay; held-out loss = LM cross-entropy alone.
 
 Arms, all GPT-MoE (Llama layout: rotary, RMSNorm, SwiGLU) with the same attention, embeddings and head; the FFN of
 every other layer is an MoE layer. With F = 4 x hidden the dense FFN's inner size, every MoE arm has the same active
@@ -30,10 +29,6 @@ Upcycling: each seed's final `dense` model is continued for `upcycle_steps` more
 router (`upcycle_moe`; Komatsuzaki et al.'s sparse upcycling, which costs more FLOPs per token); the upcycled model's
 logits are checked equal to the dense model's before training.
 
-Training: AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), linear warmup then cosine decay to 10% of the peak,
-gradient clipping at 1.0, the model's own loss (LM + router aux 0.01 + z-loss 0.001). Reported validation loss is the
-LM cross-entropy alone. FLOPs are counted analytically (see `flops_per_token`): training = 3 x forward.
-
 Every finished (arm, seed) run is written to the results JSON at once (benchmarks/results/quality_<setting>.json by
 default); a rerun skips the runs found there, so an interrupted run continues where it stopped. The report (markdown
 table and a PNG of the curves) is rewritten after every run.
@@ -42,64 +37,29 @@ table and a PNG of the curves) is rewritten after every run.
 from __future__ import annotations
 
 import argparse
-import copy
-import dataclasses
-import hashlib
 import json
 import math
 import os
 import platform
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
-from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
-from hf_ppmoe.conversion import upcycle
-from hf_ppmoe.modeling.loss import lm_loss_of
-from hf_ppmoe.moe import MoELayer
-from hf_ppmoe.training.data import train_tokenizer
-from hf_ppmoe.training.tracking import RouterMonitor
+from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe.demo.protocol import (  # noqa: F401 (the experiment's corpus, models, FLOPs and loop; the test reads them here)
+    CPU, SCRATCH_ARMS, Setting, build as build_model, corpus as load_corpus, dense, flops_per_token, moe, parameters, split_files,
+    stdlib_files, train, upcycle_from, windows,
+)
 
 RESULTS = Path(__file__).parent / "results"
-VAL_EVERY = 20  # every 20th file (in SHA-1 order of the relative path) is validation: 5%
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    hidden: int
-    layers: int
-    heads: int
-    block: int  # tokens per sequence
-    batch: int  # sequences per step
-    vocab: int
-    steps: int
-    upcycle_steps: int
-    evals: int  # validation points after step 0
-    eval_blocks: int  # validation windows of `block` tokens
-    lr: float
-    warmup: int
-    seeds: int
-    device: str = "cpu"
-    bf16: bool = False
-    max_files: int | None = None  # the first N stdlib files in path order (smoke runs only)
-    arms: tuple[str, ...] | None = None  # None: every arm in ARMS
-
-    def compatible(self) -> dict:
-        """The fields a cached run must share with this setting (more seeds or arms may be added later)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("seeds", "arms")}
-
 
 SETTINGS = {
     # ~1M tokens per run (500 steps x 16 x 128), 1.2M-parameter MoEs (0.5M dense); 3 seeds = 33 runs: 0.8 CPU-hours,
     # 1.4 h wall measured with --threads 1 on a shared 2-core machine (5 seeds: 1.2 CPU-hours, 1.9 h)
-    "cpu": Setting(hidden=64, layers=4, heads=2, block=128, batch=16, vocab=2048, steps=500, upcycle_steps=250,
-                   evals=10, eval_blocks=160, lr=3e-3, warmup=30, seeds=3),
+    "cpu": CPU,
     # ~33M tokens per run (2000 steps x 64 x 256), ~20M-parameter MoEs, 5 seeds; one GPU
     "full": Setting(hidden=256, layers=4, heads=4, block=256, batch=64, vocab=8192, steps=2000, upcycle_steps=1000,
                     evals=20, eval_blocks=1024, lr=1e-3, warmup=100, seeds=5, device="cuda", bf16=True),
@@ -108,87 +68,14 @@ SETTINGS = {
 }
 
 
-# ------------------------------------------------------------------------------------------------------- corpus
-
-
-def stdlib_files() -> tuple[Path, list[str]]:
-    """The standard library folder and its .py files (relative paths, sorted), without site-packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for folder, subfolders, names in os.walk(root):
-        if Path(folder) == root:
-            subfolders[:] = [d for d in subfolders if d != "site-packages"]  # installed packages, not the stdlib
-        files += [(Path(folder) / n).relative_to(root).as_posix() for n in names if n.endswith(".py")]
-    files.sort()
-    if not files:
-        raise FileNotFoundError(f"no .py files under the standard library folder {root}; this Python ships no sources")
-    return root, files
-
-
-def split_files(files: list[str]) -> tuple[list[str], list[str]]:
-    """(train, validation) file lists: every VAL_EVERY-th file in the order of the SHA-1 of its path (stable under
-    Python versions' added or removed files, and never empty)."""
-    by_hash = sorted(files, key=lambda f: hashlib.sha1(f.encode()).hexdigest())
-    val = set(by_hash[::VAL_EVERY])
-    return [f for f in files if f not in val], [f for f in files if f in val]
-
-
-def corpus(setting: Setting, work: Path) -> dict:
-    """Tokenizer and token streams (cached in `work`): {"train", "val": int32 tensors, "tokenizer", "stats"}."""
-    root, files = stdlib_files()
-    files = files[: setting.max_files]
-    key = hashlib.sha1(json.dumps([files, setting.vocab, platform.python_version()]).encode()).hexdigest()[:12]
-    folder = work / f"corpus-{key}"
-    if not (folder / "stats.json").exists():
-        train_files, val_files = split_files(files)
-        read = lambda names: [(root / f).read_text(encoding="utf-8", errors="replace") for f in names]  # noqa: E731
-        train_texts, val_texts = read(train_files), read(val_files)
-        tokenizer = train_tokenizer(train_texts, vocab_size=setting.vocab)
-        eos = tokenizer.eos_token_id
-
-        def encode(texts):
-            encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-            return torch.tensor([i for e in encodings for i in [*e.ids, eos]], dtype=torch.int32)
-
-        tokens = {"train": encode(train_texts), "val": encode(val_texts)}
-        stats = {
-            "stdlib": str(root), "python": platform.python_version(), "files": len(files),
-            "train_files": train_files, "val_files": val_files,
-            "train_bytes": sum(len(t.encode()) for t in train_texts), "val_bytes": sum(len(t.encode()) for t in val_texts),
-            "train_tokens": len(tokens["train"]), "val_tokens": len(tokens["val"]), "vocab_size": len(tokenizer),
-        }
-        folder.mkdir(parents=True, exist_ok=True)
-        tokenizer.save_pretrained(folder / "tokenizer")
-        torch.save(tokens, folder / "tokens.pt")
-        (folder / "stats.json").write_text(json.dumps(stats, indent=1))  # last: marks the cache complete
-    stats = json.loads((folder / "stats.json").read_text())
-    tokens = torch.load(folder / "tokens.pt")
-    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder / "tokenizer")
-    return {**tokens, "tokenizer": tokenizer, "stats": stats}
-
-
-# -------------------------------------------------------------------------------------------------------- arms
-
-
-def base_config(s: Setting, tokenizer) -> dict:
-    return dict(
-        vocab_size=len(tokenizer), hidden_size=s.hidden, intermediate_size=4 * s.hidden, num_hidden_layers=s.layers,
-        num_attention_heads=s.heads, max_position_embeddings=s.block, pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-    )
-
-
-def moe(router_type: str, experts: int, k: int, **extra):
-    return lambda F: dict(router_type=router_type, num_experts=experts, num_experts_per_tok=k,
-                          moe_intermediate_size=F // k, **extra)
+def corpus(s: Setting, work: Path) -> dict:
+    return load_corpus(work, s.vocab, s.max_files)
 
 
 # name -> (description, GPT-MoE fields as a function of the dense FFN size F)
 ARMS = {
-    "dense": ("dense, FFN F", lambda F: dict(moe_layers=[])),
-    "dense_wide": ("dense, FFN 8F in MoE places (= MoE params)", lambda F: dict(
-        router_type="topk", num_experts=1, num_experts_per_tok=1, moe_intermediate_size=8 * F,
-        router_aux_loss_coef=0.0, router_z_loss_coef=0.0)),
+    "dense": ("dense, FFN F", dense),
+    "dense_wide": ("dense, FFN 8F in MoE places (= MoE params)", SCRATCH_ARMS["dense_wide"][1]),
     "switch": ("switch top-1, 8 x F", moe("switch", 8, 1)),
     "top2": ("topk top-2, 16 x F/2", moe("topk", 16, 2)),
     "top2_m6t": ("topk top-2 m6t weights, 16 x F/2", moe("topk", 16, 2, topk_weighting="m6t")),
@@ -196,155 +83,24 @@ ARMS = {
     "gshard_c2.0": ("gshard capacity 2.0, 16 x F/2", moe("gshard", 16, 2, capacity_factor=2.0)),
     "proto2": ("prototype k=2, 2 x 8 x F/2", moe("prototype", 16, 2)),
     "proto4": ("prototype k=4, 4 x 8 x F/4", moe("prototype", 32, 4)),
+    # balancing: as top2, only the balancing differs
+    "top2_seq": ("top2, sequence-level aux loss", moe("topk", 16, 2, router_aux_loss_scope="sequence")),
+    "top2_global": ("top2, global-batch aux loss (last step's counts)", moe("topk", 16, 2,
+                                                                            router_aux_loss_scope="global_batch")),
+    "top2_bias": ("top2, bias balancing, no aux loss", moe("topk", 16, 2, router_expert_bias=True,
+                                                           router_aux_loss_coef=0.0)),
+    "top2_sigmoid": ("top2 sigmoid scores, aux loss", moe("topk", 16, 2, router_score_function="sigmoid")),
+    "top2_sigmoid_bias": ("top2 sigmoid, bias balancing, no aux loss (DeepSeek-V3)", moe(
+        "topk", 16, 2, router_score_function="sigmoid", router_expert_bias=True, router_aux_loss_coef=0.0)),
 }
 UPCYCLE_ARMS = {
     "upcycle_dense": "dense checkpoint, continued dense",
     "upcycle_moe": "dense checkpoint upcycled: topk top-2, 8 x F",
 }
-UPCYCLE = dict(num_experts=8, num_experts_per_tok=2, router_type="topk", router_init="random")
 
 
-def flops_per_token(config, block: int) -> dict:
-    """Analytic FLOPs per token of a GPT-MoE (2 per multiply-add): projections, causal attention mixing (average
-    context block / 2 for QK^T and for AV), FFNs (k routes of the experts' size in MoE layers), routers, LM head.
-    Training counts 3 x forward (the backward pass is twice the forward)."""
-    d, hd = config.hidden_size, config.head_dim or config.hidden_size // config.num_attention_heads
-    q, kv = config.num_attention_heads * hd, config.num_key_value_heads * hd
-    matrices = 3 if config.gated_mlp else 2
-    attention = ffn = router = 0
-    for i in range(config.num_hidden_layers):
-        attention += 2 * d * (2 * q + 2 * kv) + 2 * block * q
-        if config.is_moe_layer(i):
-            inner = config.moe_intermediate_size or config.intermediate_size
-            ffn += 2 * matrices * d * inner * config.num_experts_per_tok
-            router += 2 * d * config.num_experts
-        else:
-            ffn += 2 * matrices * d * config.intermediate_size
-    forward = attention + ffn + router + 2 * d * config.vocab_size
-    return {"attention": attention, "ffn": ffn, "router": router, "forward": forward, "train": 3 * forward}
-
-
-def parameters(model) -> dict:
-    """Total parameters and those one token uses (an MoE layer's unused experts excluded)."""
-    total = sum(p.numel() for p in model.parameters())
-    unused = 0
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            E, k = module.experts.num_experts, model.config.num_experts_per_tok
-            unused += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
-    return {"total": total, "active": total - unused}
-
-
-# ---------------------------------------------------------------------------------------------------- training
-
-
-def windows(stream: torch.Tensor, starts: torch.Tensor, block: int) -> torch.Tensor:
-    return stream[starts[:, None] + torch.arange(block)].long()
-
-
-@torch.no_grad()
-def evaluate(model, blocks: torch.Tensor, s: Setting) -> float:
-    """Mean LM cross-entropy (next-token, router losses excluded) over the validation windows."""
-    model.eval()
-    total = torch.zeros((), device=s.device, dtype=torch.float64)
-    for x in blocks.split(s.batch):
-        x = x.to(s.device)
-        with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            quiet = {"compute_router_losses": False} if isinstance(model, GPTMoEForCausalLM) else {}  # no statistics
-            lm_loss, count = lm_loss_of(model(x, labels=x, **quiet), x, causal=True)
-        total += lm_loss.double() * count
-    model.train()
-    return (total / (blocks.shape[0] * (blocks.shape[1] - 1))).item()
-
-
-def train(model, data: dict, s: Setting, steps: int, data_seed: int, label: str = "") -> dict:
-    """Train `model` for `steps` steps on random train windows drawn with `data_seed`; validation loss every
-    steps / evals steps (and at step 0), router statistics and timing."""
-    model.to(s.device).train()
-    matrices = [p for p in model.parameters() if p.ndim >= 2]
-    others = [p for p in model.parameters() if p.ndim < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": others, "weight_decay": 0.0}],
-                                  lr=s.lr, betas=(0.9, 0.95))
-    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, s.warmup, steps, min_lr_rate=0.1)
-    generator = torch.Generator().manual_seed(data_seed)
-    val = data["val"]
-    val_blocks = windows(val, torch.linspace(0, len(val) - s.block - 1, s.eval_blocks).long(), s.block)
-    config, monitor = model.config, RouterMonitor(model)
-    flops = flops_per_token(config, s.block)["train"]
-    eval_at = {round(steps * i / s.evals) for i in range(s.evals + 1)}
-    curve, train_loss, timed = [], torch.zeros((), device=s.device), {"steps": 0, "wall": 0.0, "cpu": 0.0}
-    interval = [0, time.perf_counter(), time.process_time()]  # steps, wall, cpu at the last evaluation
-    for step in range(steps + 1):
-        if step in eval_at:
-            if s.device == "cuda":
-                torch.cuda.synchronize()
-            wall, cpu = time.perf_counter(), time.process_time()
-            if interval[0] > 0:  # the first interval (allocator, kernel selection) is left out of the timing
-                timed["steps"] += step - interval[0]
-                timed["wall"] += wall - interval[1]
-                timed["cpu"] += cpu - interval[2]
-            router = monitor.collect()
-            point = {"step": step, "tokens": step * s.batch * s.block, "flops": step * s.batch * s.block * flops,
-                     "val_loss": evaluate(model, val_blocks, s),
-                     "train_loss": (train_loss / (step - interval[0])).item() if step else None}
-            if router:
-                point["expert_load_cv"] = statistics.mean(v for k, v in router.items() if k.startswith("expert_load"))
-                point["dropped"] = statistics.mean(v for k, v in router.items() if k.startswith("dropped"))
-            if not math.isfinite(point["val_loss"]):
-                raise RuntimeError(f"validation loss is {point['val_loss']} at step {step}: the run diverged")
-            curve.append(point)
-            print(f"{label:>20} step {step:5d}/{steps}: val loss {point['val_loss']:.4f}", flush=True)
-            train_loss.zero_()
-            interval = [step, time.perf_counter(), time.process_time()]
-        if step == steps:
-            break
-        x = windows(data["train"], torch.randint(len(data["train"]) - s.block, (s.batch,), generator=generator), s.block)
-        x = x.to(s.device, non_blocking=True)
-        with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            out = model(x, labels=x)
-        out.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_loss += lm_loss_of(out, x, causal=True)[0].detach()
-    monitor.remove()
-    tokens = timed["steps"] * s.batch * s.block
-    return {
-        "val_loss": curve[-1]["val_loss"], "curve": curve, "flops_per_token": flops_per_token(config, s.block),
-        "params": parameters(model), "train_tokens": steps * s.batch * s.block,
-        "tokens_per_s": tokens / timed["wall"] if timed["wall"] else None,
-        "tokens_per_cpu_s": tokens / timed["cpu"] if timed["cpu"] else None,
-    }
-
-
-# ------------------------------------------------------------------------------------------------------ the runs
-
-
-def build(s: Setting, tokenizer, arm: str, seed: int) -> GPTMoEForCausalLM:
-    torch.manual_seed(seed)  # same seed, same initial embeddings / attention for every arm
-    return GPTMoEForCausalLM(GPTMoEConfig(**base_config(s, tokenizer), **ARMS[arm][1](4 * s.hidden)))
-
-
-def upcycle_from(dense: GPTMoEForCausalLM, seed: int, check: torch.Tensor) -> tuple[GPTMoEForCausalLM, float]:
-    """The dense GPT-MoE as the Llama model it equals (same weight names), upcycled by hf_ppmoe.conversion; returns
-    the MoE and the largest logit difference to the dense model on `check`."""
-    c = dense.config
-    llama = LlamaForCausalLM(LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers, num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads, max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.layer_norm_eps, hidden_act=c.hidden_act, tie_word_embeddings=False,
-        pad_token_id=c.pad_token_id, bos_token_id=c.bos_token_id, eos_token_id=c.eos_token_id,
-    ))
-    llama.load_state_dict(dense.state_dict())
-    moe_model = upcycle(llama, seed=seed, **UPCYCLE)
-    with torch.no_grad():
-        models = [m.eval() for m in (dense, llama, moe_model)]
-        reference, *others = [m(check).logits for m in models]
-        gap = max((o - reference).abs().max().item() for o in others)
-    dense.train()
-    return moe_model.train(), gap
+def build(s: Setting, tokenizer, arm: str, seed: int):
+    return build_model(s, tokenizer, ARMS[arm][1], seed)
 
 
 def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[int], arms: list[str]) -> list[str]:
@@ -429,6 +185,11 @@ CLAIMS = [
     ("GShard capacity 2.0 beats 1.25", "gshard_c2.0", "gshard_c1.25"),
     ("upcycling beats continued dense training", "upcycle_moe", "upcycle_dense"),
     ("dense with the MoEs' parameters (8x FFN FLOPs there) beats top-2", "dense_wide", "top2"),
+    ("batch-level balance loss beats sequence-level (Qwen's global-batch direction)", "top2", "top2_seq"),
+    ("global-batch loss from the last step's counts matches or beats the batch's own", "top2_global", "top2"),
+    ("bias balancing without aux loss matches or beats the aux loss (softmax)", "top2_bias", "top2"),
+    ("sigmoid scores match or beat softmax (aux loss)", "top2_sigmoid", "top2"),
+    ("DeepSeek-V3 routing (sigmoid, bias, no aux loss) beats softmax with aux loss", "top2_sigmoid_bias", "top2"),
 ]
 
 

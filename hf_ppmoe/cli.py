@@ -15,7 +15,7 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
 
         return cli(rest, prog="hf-ppmoe train")
     if command == "megatron":
-        from .conversion.commands import megatron_main
+        from .megatron.__main__ import megatron_main
 
         return megatron_main(rest, prog="hf-ppmoe megatron")
     if command == "serve":
@@ -32,10 +32,10 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
             return 2
         return 0
     if command == "demo":
-        from .training.demo_arguments import DemoArguments
+        from .demo.options import DemoArguments
 
         args = parse_arguments(DemoArguments, rest, prog="hf-ppmoe demo", description=description)
-        from .training.demo import run_demo  # torch: after the flags were checked
+        from .demo.gpt import run_demo  # torch: after the flags were checked
 
         run_demo(args)
         return 0
@@ -45,12 +45,16 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
     arguments, convert, description = CONVERSIONS[command]
     args = parse_arguments(arguments, rest, prog=f"hf-ppmoe {command}", description=description,
                            positionals={"source": "SRC", "output": "OUT"})
+    from transformers.utils import logging as transformers_logging
+
     from .conversion.mapping import ConversionError  # torch: after the flags were checked
     from .utils.atomic import OutOfSpaceError
+    transformers_logging.disable_progress_bar()  # its per-shard bars flash by; ours shows once a write is long
+    from .utils.integrity import CheckpointError
 
     try:
         out = convert(args)
-    except (ConversionError, FileExistsError) as err:  # refused: nothing was written
+    except (ConversionError, CheckpointError, FileExistsError) as err:  # refused: nothing was written
         print(f"hf-ppmoe {command}: error: {err}", file=sys.stderr)
         return 2
     except OutOfSpaceError as err:  # failed while writing; the previous output (if any) is untouched

@@ -1,4 +1,4 @@
-"""LoRA on our models with PEFT, experts included (`pip install "hf-ppmoe[peft]"`).
+"""LoRA on our models with PEFT, experts included (`pip install -e ".[peft]"` in a clone; hf-ppmoe is not on PyPI).
 
     from peft import get_peft_model
     from hf_ppmoe.peft import lora_config

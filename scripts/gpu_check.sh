@@ -8,7 +8,8 @@
 #   --device        cuda (default) or cpu: a dry run of every step on CPU (tests/gpu skip, benchmarks at tiny shapes)
 #   --wheels        the wheels to install (default .whl); none there: the environment's packages are used
 #   --out           the report (default gpu_check_report.md)
-#   --budget        seconds for the whole run (default 480: 8 minutes); every step gets what is left, at most its share
+#   --budget        seconds for the whole run (default 480: 8 minutes); every step gets what is left, at most its share;
+#                   0: no budget and no per-step time limit (a dry run that a busy machine cannot make run out of time)
 #   --test-timeout  seconds per test (default 120, GPU_TEST_TIMEOUT of tests/gpu/conftest.py)
 #   --quick         benchmarks at their --quick shapes (smaller, fewer rounds)
 #   --no-compile    benchmarks without torch.compile (a quick CPU dry run)
@@ -37,6 +38,7 @@ while [ $# -gt 0 ]; do
     esac
 done
 case $device in cuda | cpu) ;; *) echo "gpu_check.sh: --device is cuda or cpu, not '$device'" >&2; exit 2 ;; esac
+case $budget in '' | *[!0-9]*) echo "gpu_check.sh: --budget is a number of seconds, not '$budget'" >&2; exit 2 ;; esac
 deadline=$((SECONDS + budget))
 work=$(mktemp -d)
 # step name -> its share of the budget in seconds (each also capped by what is left)
@@ -46,14 +48,18 @@ declare -A done_=()
 if [ "$device" = cpu ]; then share=([wheels]=60 [versions]=60 [tests]=60 [layer]=60 [training]=60 [decode]=60); fi
 
 say() { printf '%s\n' "$@" >>"$report"; }
-left() { local t=$((deadline - SECONDS)); [ "$t" -lt "${share[$1]}" ] && echo "$t" || echo "${share[$1]}"; }
+left() {
+    if [ "$budget" = 0 ]; then echo unlimited; return; fi
+    local t=$((deadline - SECONDS)); [ "$t" -lt "${share[$1]}" ] && echo "$t" || echo "${share[$1]}"
+}
 finish() {
     local missing=()
     for s in "${steps[@]}"; do [ -n "${done_[$s]:-}" ] || missing+=("$s"); done
     if [ ${#missing[@]} -gt 0 ]; then
         say "" "## Not run" "" "The script stopped (exit or signal) before: ${missing[*]}."
     fi
-    say "" "Finished after $SECONDS s of a $budget s budget."
+    if [ "$budget" = 0 ]; then say "" "Finished after $SECONDS s (no budget)."
+    else say "" "Finished after $SECONDS s of a $budget s budget."; fi
     rm -rf "$work"
 }
 trap finish EXIT
@@ -62,6 +68,7 @@ trap 'exit 130' INT TERM
 run() {
     local step=$1 log=$2 t; shift 2
     t=$(left "$step")
+    if [ "$t" = unlimited ]; then "$@" >"$log" 2>&1; echo $?; return; fi
     if [ "$t" -le 5 ]; then echo skipped; return; fi
     timeout -k 10 "$t" "$@" >"$log" 2>&1
     echo $?

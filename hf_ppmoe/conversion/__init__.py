@@ -2,7 +2,7 @@
 MoE imports (`import_moe`), for decoders (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE <-> GPT-MoE;
 architectures.py) and encoder-decoders (T5, Switch Transformers <-> Seq2Seq-MoE; t5.py); exports to Transformers' own
 MoE classes where a model fits one exactly (`export_moe`: Mixtral, Qwen2-MoE, Qwen3-MoE, Switch Transformers;
-export.py); `megatron_checkpoint.py`: GPT-MoE <-> Megatron-LM weights.
+export.py). GPT-MoE <-> Megatron-LM weights: hf_ppmoe.megatron.
 
 Each conversion is a chain of declarative, reversible weight-name tables (`mapping.py`) applied lazily to a source
 read with `safe_open`, checked whole on meta tensors, and written tensor by tensor into a temporary folder that is

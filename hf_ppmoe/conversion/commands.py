@@ -4,7 +4,6 @@ imported); the runners import the converters when they run."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
@@ -42,7 +41,9 @@ class UpcycleArguments(_Output, _Paths):
     num_experts: int = field(default=8, metadata=_help("Experts per MoE layer."))
     num_experts_per_tok: int | None = field(default=None, metadata=_help("Routes per token (default: 1 for switch, else 2)."))
     router_type: str = field(default="topk", metadata=_help("Gate: topk, switch, gshard, prototype, or a registered one."))
-    moe_layer_frequency: int = field(default=2, metadata=_help("Every n-th FFN becomes MoE (1: all)."))
+    moe_layer_frequency: int = field(default=2, metadata=_help(
+        "Every n-th FFN becomes MoE, layers n-1, 2n-1, ... from 0 (default 2, as in GShard and PPMoE: every other "
+        "FFN, so a 2-layer model gets one MoE layer; 1: every FFN)."))
     moe_layers: list[int] | None = field(default=None, metadata=_help("Explicit FFN indices to make MoE (overrides the frequency)."))
     encoder_moe_layers: list[int] | None = field(default=None, metadata=_help("T5: encoder FFNs to make MoE."))
     decoder_moe_layers: list[int] | None = field(default=None, metadata=_help("T5: decoder FFNs to make MoE."))
@@ -50,10 +51,12 @@ class UpcycleArguments(_Output, _Paths):
     no_decoder_moe: bool = field(default=False, metadata=_help("T5: keep every decoder FFN dense."))
     encoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th encoder FFN becomes MoE."))
     decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
-    router_init: str = field(default="zeros", metadata=_help(f"Router initialization: {', '.join(ROUTER_INITS)}."))
+    router_init: str = field(default="zeros", metadata={**_help(f"Router initialization: {', '.join(ROUTER_INITS)}."),
+                                                        "choices": list(ROUTER_INITS)})
     sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
     sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
+    reinit_ratio: float = field(default=0.0, metadata=_help("Drop-Upcycling: share of each expert's FFN dimensions re-initialised (0: exact copies)."))
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
     norm_topk_prob: bool = field(default=True, metadata=_help("topk gate: renormalize the top-k weights."))
@@ -62,12 +65,22 @@ class UpcycleArguments(_Output, _Paths):
 
     def __post_init__(self):
         """Also the MoE settings the target config refuses whatever the source is (the checks both families share,
-        run on a GPT-MoE config), before the source is read."""
+        run on a GPT-MoE config), before the source is read; in the command's words (flags, and defaults named as
+        defaults)."""
         super().__post_init__()
         if self.chat_template is not None:
             from ..utils.chat_template import chat_template_text
 
             chat_template_text(self.chat_template)  # an unknown name or a missing file: refused before any work
+        if self.num_experts < 2:
+            raise ValueError(f"--num_experts {self.num_experts}: an MoE layer needs at least 2 experts (with one, "
+                             "every token takes the dense FFN it was copied from); give --num_experts 2 or more.")
+        if self.num_experts_per_tok is None and default_experts_per_token(self.router_type, None) > self.num_experts:
+            raise ValueError(f"--num_experts {self.num_experts} is fewer than the default --num_experts_per_tok "
+                             f"{default_experts_per_token(self.router_type, None)} (routes per token); set "
+                             "--num_experts_per_tok too.")
+        if self.router_init == "hidden":
+            _check_sample_texts(self)
         from ..modeling.configuration_gpt_moe import GPTMoEConfig
 
         GPTMoEConfig(
@@ -83,10 +96,17 @@ class UpcycleArguments(_Output, _Paths):
 @dataclass
 class MergeArguments(_Output, _Paths):
     PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
-    method: str = field(default="mean", metadata=_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."))
+    method: str = field(default="mean", metadata={**_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."),
+                                                  "choices": list(MERGE_METHODS)})
     expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
     sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
     sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line.")})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.method == "usage" and self.sample_file is None and not self.sample_texts:
+            raise ValueError("--method usage needs --sample_file FILE (texts, one per line) to measure how often the "
+                             "router picks each expert.")
 
 
 @dataclass
@@ -103,6 +123,21 @@ class _Target:
 @dataclass
 class ExportArguments(_Output, _Target, _Paths):
     pass
+
+
+def _check_sample_texts(args: UpcycleArguments) -> None:
+    """--router_init hidden reads one sample text per expert: refuse a missing file, or one with another number of
+    lines, before the source is read (a missing file is utils.paths' to name)."""
+    if args.sample_file is None and not args.sample_texts:
+        raise ValueError(f"--router_init hidden needs --sample_file FILE with one line of text per expert "
+                         f"({args.num_experts} lines for --num_experts {args.num_experts}).")
+    if args.sample_file is not None and not Path(args.sample_file).is_file():
+        return
+    n = len(_texts(args) or [])
+    if n != args.num_experts:
+        given = f"--sample_file {args.sample_file} has {n} non-empty lines" if args.sample_file else f"{n} --sample_texts"
+        raise ValueError(f"--router_init hidden takes one sample text per expert: {given}, and --num_experts is "
+                         f"{args.num_experts}; give {args.num_experts} lines or set --num_experts {n}.")
 
 
 def _texts(args) -> list[str] | None:
@@ -134,6 +169,7 @@ def run_upcycle(args: UpcycleArguments) -> Path:
         router_init=args.router_init,
         sample_texts=_texts(args),
         noise_std=args.noise_std,
+        reinit_ratio=args.reinit_ratio,
         seed=args.seed,
         capacity_factor=args.capacity_factor,
         norm_topk_prob=args.norm_topk_prob,
@@ -195,84 +231,3 @@ COMMANDS = {
     "export": (ExportArguments, run_export, "Export a GPT-MoE / Seq2Seq-MoE to Transformers' own MoE class where it "
                "fits exactly (else the list of reasons)."),
 }
-
-
-# ---- `hf-ppmoe megatron to-megatron|to-hf` ----
-
-
-@dataclass
-class ToMegatronArguments:
-    PATHS: ClassVar[dict] = {"source": "input_folder", "output": "output_folder"}  # checked before any work (utils.paths)
-    source: str = field(metadata={"help": "GPT-MoE folder to convert."})
-    output: str = field(metadata={"help": "Megatron-LM checkpoint folder; must not exist yet unless --overwrite."})
-    tp: int = field(default=1, metadata={"help": "Tensor-parallel size (= expert-parallel size)."})
-    pp: int = field(default=1, metadata={"help": "Pipeline-parallel size."})
-    make_vocab_size_divisible_by: int = field(default=128, metadata={"help": "As Megatron-LM's argument."})
-    overwrite: bool = field(default=False, metadata={"help": "Replace OUT if it exists."})
-
-    def __post_init__(self):
-        for name in ("tp", "pp", "make_vocab_size_divisible_by"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} {getattr(self, name)}: must be at least 1")
-
-
-@dataclass
-class ToHFArguments:
-    PATHS: ClassVar[dict] = {"source": "input_folder", "output": "output_folder", "config": "input"}  # checked before any work (utils.paths)
-    source: str = field(metadata={"help": "Megatron-LM checkpoint folder to convert."})
-    output: str = field(metadata={"help": "GPT-MoE folder to write."})
-    config: str = field(metadata={"help": "GPT-MoE folder or config.json describing the model."})
-    trust_checkpoint: bool = field(
-        default=False, metadata={"help": "Allow pickled Python objects (Megatron-LM's args) when loading."}
-    )
-
-
-def run_to_megatron(args: ToMegatronArguments) -> Path:
-    from .megatron_checkpoint import convert_hf_to_megatron
-
-    return convert_hf_to_megatron(
-        args.source, args.output, tp=args.tp, pp=args.pp, overwrite=args.overwrite,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-    )
-
-
-def run_to_hf(args: ToHFArguments) -> Path:
-    from .megatron_checkpoint import convert_megatron_to_hf
-
-    convert_megatron_to_hf(args.source, args.output, args.config, weights_only=not args.trust_checkpoint)
-    return Path(args.output)
-
-
-MEGATRON_COMMANDS = {
-    "to-megatron": (ToMegatronArguments, run_to_megatron, "GPT-MoE folder -> Megatron-LM release checkpoint (legacy "
-                    "torch format, TP x PP, experts on the TP group)."),
-    "to-hf": (ToHFArguments, run_to_hf, "Megatron-LM checkpoint of a GPT-MoE -> GPT-MoE folder."),
-}
-
-
-def megatron_main(argv=None, prog: str = "hf-ppmoe megatron") -> int:
-    """`PROG to-megatron SRC OUT [--tp N --pp N ...]` / `PROG to-hf SRC OUT --config CONFIG`. Bad flags and refusals
-    end as one `PROG: error: ...` line with exit code 2 (SystemExit, as argparse's own errors)."""
-    from ..utils.command_line import parse_arguments
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in MEGATRON_COMMANDS:
-        listing = "\n".join(f"  {name:<12} {help}" for name, (_, _, help) in MEGATRON_COMMANDS.items())
-        usage = f"usage: {prog} {{{','.join(MEGATRON_COMMANDS)}}} SRC OUT [options] (--help)\n\ncommands:\n{listing}\n"
-        if argv and argv[0] in ("-h", "--help"):
-            print(usage)
-            return 0
-        sys.stderr.write(usage)
-        raise SystemExit(2)
-    arguments, run, description = MEGATRON_COMMANDS[argv[0]]
-    args = parse_arguments(arguments, argv[1:], prog=f"{prog} {argv[0]}", description=description,
-                           positionals={"source": "SRC", "output": "OUT"})
-    from .mapping import ConversionError  # torch: after the flags were checked
-
-    try:
-        out = run(args)
-    except (ConversionError, OSError, ValueError) as err:  # refusals and missing files: one line, no traceback
-        sys.stderr.write(f"{prog}: error: {err}\n")
-        raise SystemExit(2) from None
-    print(f"wrote {out}")
-    return 0

@@ -97,6 +97,16 @@ def _routing_reasons(c, label: str) -> list[str]:
         for name, when in (("capacity_factor", "training"), ("eval_capacity_factor", "evaluation"))
         if (value := getattr(c, name)) is not None
     ]
+    reasons += [
+        f"{name}={value!r}: {what}; {label}'s router is a softmax top-k with neither"
+        for name, default, what in (
+            ("router_score_function", "softmax", "sigmoid scores"),
+            ("router_expert_bias", False, "a per-expert selection bias"),
+            ("num_expert_groups", 1, "group-limited routing"),
+            ("routed_scaling_factor", 1.0, "scaled combine weights"),
+        )
+        if (value := getattr(c, name, default)) != default
+    ]
     if c.router_jitter_noise > 0:
         reasons.append(
             f"router_jitter_noise={c.router_jitter_noise}: ours jitters only the router's input; "
@@ -421,7 +431,7 @@ def _target(to: str) -> Target:
 def _config_of(moe):
     config = moe if isinstance(moe, (GPTMoEConfig, Seq2SeqMoEConfig)) else getattr(moe, "config", None)
     if config is None:
-        return open_checkpoint(moe, moe_config_loader("export_moe")).config
+        return open_checkpoint(moe, moe_config_loader("exporting (hf-ppmoe export, export_moe)")).config
     return config
 
 
@@ -455,7 +465,7 @@ def export_moe(
     tensor through a temporary folder, and returns its path. The folder loads with `AutoModelForCausalLM` /
     `AutoModelForSeq2SeqLM` without hf_ppmoe."""
     target = _target(to)
-    checkpoint = open_checkpoint(moe, moe_config_loader("export_moe"))
+    checkpoint = open_checkpoint(moe, moe_config_loader("exporting (hf-ppmoe export, export_moe)"))
     config = checkpoint.config
     reasons = export_reasons(config, to)
     if reasons:

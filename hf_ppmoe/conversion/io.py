@@ -30,6 +30,7 @@ from ..utils.integrity import (
     SAFETENSORS_DTYPES,
     TORCH_DTYPES,
     CheckpointError,
+    check_complete,
     check_inside,
     verify_checksums,
 )
@@ -65,6 +66,10 @@ class SafetensorsSource(TensorSource):
         self._handles, self._file_of, self._meta = {}, {}, {}
         for name in files:
             path = folder / name
+            try:
+                check_complete(path)
+            except CheckpointError as err:
+                raise ConversionError(str(err)) from err
             try:
                 handle = safe_open(path, framework="pt")
                 for key in handle.keys():
@@ -126,7 +131,8 @@ def resolve_folder(path: str | os.PathLike) -> Path:
         return folder
     if folder.exists():
         raise ConversionError(f"{folder} is a file; point to the model's folder.")
-    if folder.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") > 1:
+    local_parent = folder.parent != Path(".") and folder.parent.is_dir()  # `runs/x` with runs/ here: not a Hub id
+    if folder.is_absolute() or str(path).startswith((".", "~")) or str(path).count("/") > 1 or local_parent:
         raise ConversionError(f"no such folder: {folder}")
     try:
         from huggingface_hub import snapshot_download
@@ -188,7 +194,8 @@ def write_safetensors(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(plan), desc="writing tensors", unit="tensor")
+        # shown only once the write has taken a few seconds: a tiny conversion prints no bar
+        bar = tqdm(total=len(plan), desc="writing tensors", unit="tensor", delay=3)
     weight_map, total = {}, 0
     for filename, shard in zip(names, shards):
         header, offset = {"__metadata__": {"format": "pt"}}, 0

@@ -96,7 +96,7 @@ def merge_experts(
             "line: --sample_texts TEXT ... or --sample_file FILE)"
         )
 
-    checkpoint = open_checkpoint(moe, moe_config_loader("merge_experts"))
+    checkpoint = open_checkpoint(moe, moe_config_loader("merging (hf-ppmoe merge, merge_experts)"))
     config = checkpoint.config
     record = getattr(config, "conversion", None)
     if not isinstance(record, dict) or "dense_config" not in record:

@@ -19,6 +19,7 @@ routing only happens in training.
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
 from .choices import ROUTER_INITS, default_experts_per_token
 from .io import Checkpoint, open_checkpoint, read_config_dict
-from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Replicate, Rule, Scale, rename
+from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Op, Replicate, Rule, Scale, rename
 from .delivery import deliver
 
 
@@ -46,7 +47,8 @@ def moe_config_loader(reader: str):
         if model_type not in MODEL_CLASSES:
             raise ConversionError(
                 f"{folder} holds a {model_type!r} model; {reader} reads GPT-MoE and Seq2Seq-MoE checkpoints "
-                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). Import an MoE checkpoint with import_moe first."
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). A Mixtral, Qwen3-MoE or Switch Transformers checkpoint: import it first (hf-ppmoe import SRC OUT; "
+                "in Python, import_moe)."
             )
         return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
 
@@ -67,6 +69,43 @@ def moe_ffns(config) -> dict[int, str]:
 # -------------------------------------------------------------------------------------------- experts mapping
 
 
+@dataclass(frozen=True)
+class DropReinit(Op):
+    """[E, ...] -> [E, ...]: Drop-Upcycling (Nakamura et al., arXiv 2502.19261). In every expert e a share `ratio` of
+    the FFN's inner dimensions, drawn from `index_seed + e` (the same draw for the in- and out-projections of one
+    expert), is re-initialised from N(mean, std) of the dense weight (per stacked part: gate and up of a fused
+    gate_up); the other dimensions stay the dense copy. `dim`: the inner dimension of one expert's weight (0 for
+    [parts * F, H], 1 for [H, F]). Biases are not touched. Its inverse leaves the experts as they are (the merge that
+    follows averages them: no longer the dense FFN)."""
+
+    ratio: float
+    dim: int
+    parts: int = 1
+    index_seed: int = 0
+    value_seed: int = 0
+
+    def __call__(self, xs):
+        (x,) = xs
+        if self.ratio <= 0 or x.is_meta:
+            return [x]
+        E, F = x.shape[0], x.shape[1 + self.dim] // self.parts
+        kept = x[0].float()
+        out = x.clone()
+        values = torch.Generator().manual_seed(self.value_seed)
+        for e in range(E):
+            dropped = torch.randperm(F, generator=torch.Generator().manual_seed(self.index_seed + e))[: round(self.ratio * F)]
+            for p in range(self.parts):
+                part = kept.narrow(self.dim, p * F, F)
+                shape = list(part.shape)
+                shape[self.dim] = len(dropped)
+                fresh = torch.randn(shape, generator=values) * part.std() + part.mean()
+                out[e].index_copy_(self.dim, (dropped + p * F).to(x.device), fresh.to(x.dtype).to(x.device))
+        return [out]
+
+    def inverse(self):
+        return Identity()
+
+
 def experts_mapping(
     config,
     *,
@@ -75,10 +114,12 @@ def experts_mapping(
     seed: int = 0,
     routers: dict | None = None,
     merge_weights: dict[int, tuple[float, ...]] | None = None,
+    reinit_ratio: float = 0.0,
 ) -> Mapping:
     """Dense FFN names -> MoE layer names for each MoE layer of `config` (`moe_ffns`): E copies of the FFN
-    (down-projection scaled by `scale`, optional noise), and a router made by `routers[n]()`. The inverse merges the
-    experts with `merge_weights[n]` (uniform by default) and drops the router. Every other tensor passes through."""
+    (down-projection scaled by `scale`, optional noise, `reinit_ratio` of each expert's inner dimensions
+    re-initialised: `DropReinit`), and a router made by `routers[n]()`. The inverse merges the experts with
+    `merge_weights[n]` (uniform by default) and drops the router. Every other tensor passes through."""
     E = config.num_experts
     ins = ("gate_proj", "up_proj") if config.gated_mlp else ("up_proj",)
     fused = "gate_up_proj" if config.gated_mlp else "up_proj"
@@ -91,9 +132,12 @@ def experts_mapping(
             return Replicate(E, noise, seed=seed * 1_000_003 + 4 * n + k, merge_weights=w)
 
         make_router = routers[n] if routers else _no_router
+        drop_seed = seed * 1_000_003 + 4 * n + 1_000
+        drop_in = DropReinit(reinit_ratio, 0, len(ins), index_seed=drop_seed * 1_009, value_seed=drop_seed)
+        drop_out = DropReinit(reinit_ratio, 1, 1, index_seed=drop_seed * 1_009, value_seed=drop_seed + 1)
         rules += [  # nn.Linear [out, in] -> experts [E, out, in]
-            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, copies(0))),
-            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Scale(scale), copies(1))),
+            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, copies(0), drop_in)),
+            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Scale(scale), copies(1), drop_out)),
             Rule((), (f"{d}gate.weight",), Create(make_router)),
         ]
         if config.mlp_bias:  # biases are copied without noise
@@ -296,6 +340,7 @@ def upcycle(
     tokenizer=None,
     noise_std: float = 0.0,
     seed: int = 0,
+    reinit_ratio: float = 0.0,
     save_directory: str | Path | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
@@ -315,6 +360,10 @@ def upcycle(
         texts per expert, tokenized with `tokenizer` or the source folder's tokenizer; a T5 reads each text in its
         encoder and, as its target, in its decoder).
     noise_std: N(0, noise_std^2) noise added to each expert's weights to break their symmetry (`seed` draws it).
+    reinit_ratio: Drop-Upcycling (arXiv 2502.19261): in every expert this share of the FFN's inner dimensions (its
+        rows of the in-projections and columns of the down-projection, a different draw per expert) is re-initialised
+        from the dense weight's mean and std; 0 (default) keeps exact copies. The result no longer equals the dense
+        model (every other tensor still is the dense one's).
     config_overrides: any other field of the target config (capacity_factor, norm_topk_prob, experts_implementation,
         router_aux_loss_coef...).
 
@@ -323,6 +372,9 @@ def upcycle(
     """
     if router_init not in ROUTER_INITS:
         raise ConversionError(f"router_init={router_init!r}; use one of {', '.join(ROUTER_INITS)}.")
+    if num_experts == 1:  # allowed (a test of the conversion itself), but no MoE: say so once
+        warnings.warn("num_experts=1: every MoE layer has one expert, which every token takes, so the model computes "
+                      "the dense model with a router added; upcycle to 2 or more experts for an MoE.", stacklevel=2)
     checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
     num_experts_per_tok = default_experts_per_token(router_type, num_experts_per_tok)
     config = _moe_config(
@@ -349,11 +401,15 @@ def upcycle(
         "expert_output_scale": scale,
         "router_init": router_init,
         "noise_std": noise_std,
+        **({"reinit_ratio": reinit_ratio} if reinit_ratio else {}),
     }
     dense_names = arch.mapping(checkpoint.config, names).apply(checkpoint.tensors)
     dtype = dense_names.meta().get(next(iter(ffns.values())) + "down_proj.weight").dtype
     routers = _routers(router_init, config, ffns, dtype, seed, checkpoint, arch, sample_texts, tokenizer)
-    experts = experts_mapping(config, scale=scale, noise_std=noise_std, seed=seed, routers=routers)
+    if not 0.0 <= reinit_ratio <= 1.0:
+        raise ConversionError(f"reinit_ratio={reinit_ratio}: a share of each expert's inner dimensions, in [0, 1].")
+    experts = experts_mapping(config, scale=scale, noise_std=noise_std, seed=seed, routers=routers,
+                              reinit_ratio=reinit_ratio)
     return deliver(
         experts.apply(dense_names),
         config,
@@ -406,6 +462,7 @@ def import_moe(
 
 __all__ = [
     "MODEL_CLASSES",
+    "DropReinit",
     "expert_output_scale",
     "experts_mapping",
     "gate_renormalizes",

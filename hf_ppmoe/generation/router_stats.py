@@ -26,6 +26,7 @@ router losses for every step).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -123,6 +124,7 @@ class MoEGenerationMixin(GenerationMixin):
     """`GenerationMixin` whose `generate` also takes `output_router_logits=True` (see the module docstring)."""
 
     def generate(self, *args, output_router_logits: bool = False, **kwargs):
+        self._warn_beams_beyond_vocabulary(kwargs)
         if not output_router_logits:
             return super().generate(*args, **kwargs)
         config = kwargs.get("generation_config") or self.generation_config
@@ -144,6 +146,16 @@ class MoEGenerationMixin(GenerationMixin):
                 out[name] = value
             return out
         return cls(**out, **fields)
+
+    def _warn_beams_beyond_vocabulary(self, kwargs: dict) -> None:
+        """More beams than tokens cannot all differ after the first step: warn once (Transformers' own beam search,
+        and flat beam search, run it anyway, as Transformers does for its models)."""
+        beams = kwargs.get("num_beams") or (kwargs.get("generation_config") or self.generation_config).num_beams or 1
+        vocab = getattr(self.config.get_text_config(), "vocab_size", None)
+        if vocab and beams > vocab:
+            warnings.warn(f"num_beams={beams} is more than the vocabulary ({vocab} tokens): the first step has only "
+                          f"{vocab} different continuations, so {beams - vocab} beams start as copies that add work "
+                          f"and no hypotheses; use num_beams <= {vocab}.", stacklevel=3)
 
     def _routing_stack(self) -> torch.nn.Module:
         """The modules whose MoE layers are recorded per step (encoder-decoders: their decoder; the encoder is

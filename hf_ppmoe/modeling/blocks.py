@@ -91,6 +91,7 @@ class MoETransformerLayer(GradientCheckpointingLayer):
         cache=None,
         token_mask=None,
         compute_router_losses=None,
+        router_expert_ids=None,
         **kwargs,
     ) -> tuple:
         """hidden_states [B, L, H] -> `layer_outputs` (hidden_states, aux_loss, z_loss).
@@ -98,7 +99,8 @@ class MoETransformerLayer(GradientCheckpointingLayer):
         position_bias [1, N, L, K] (T5's relative bias, added to the self-attention scores) and the encoder output
         [B, S, H] come positionally: reentrant gradient checkpointing (GradientCheckpointingLayer) gives gradients only
         to positional tensors. Other keywords (rotary `position_embeddings`, kernel arguments) go to the attentions.
-        token_mask [B, L]: tokens that count in the router losses and statistics (None: all)."""
+        token_mask [B, L]: tokens that count in the router losses and statistics (None: all).
+        router_expert_ids [B * L, K]: router replay (`MoELayer`): this MoE layer's routes are these."""
         hidden_states = self.attention_block(
             hidden_states, self.input_layernorm, self.self_attn, attention_mask=attention_mask,
             position_bias=position_bias, cache=cache, **kwargs,
@@ -111,7 +113,7 @@ class MoETransformerLayer(GradientCheckpointingLayer):
         h = self.post_attention_layernorm(hidden_states)
         routing = None
         if self.is_moe:
-            h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses)
+            h, routing = self.mlp(h, token_mask, compute_losses=compute_router_losses, expert_ids=router_expert_ids)
         else:
             h = self.mlp(h)
         return layer_outputs(hidden_states + self.dropout(h), routing)
@@ -122,18 +124,35 @@ class MoETransformerLayer(GradientCheckpointingLayer):
         return hidden_states + self.dropout(out)
 
 
-def run_layers(layers, hidden_states, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def run_layers(
+    layers, hidden_states, *args, router_expert_ids=None, **kwargs
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Runs `layers` in order, each on the previous one's hidden states with the same other arguments ->
     (hidden_states, aux_loss, z_loss): the router losses averaged over the MoE layers, so that the coefficients do not
-    depend on depth (None without MoE layers, or when the losses were not computed)."""
+    depend on depth (None without MoE layers, or when the losses were not computed).
+
+    router_expert_ids: router replay, one [T, K] tensor per MoE layer in order (what `output_router_logits` returns
+    as `router_expert_ids`), each handed to its layer."""
+    replay = None
+    if router_expert_ids is not None:
+        moe = [layer for layer in layers if getattr(layer, "is_moe", False)]
+        if len(router_expert_ids) != len(moe):
+            raise ValueError(
+                f"router_expert_ids holds {len(router_expert_ids)} tensors; replay needs one [tokens, k] tensor per MoE "
+                f"layer of this stack ({len(moe)}), as output_router_logits returns them."
+            )
+        replay = iter(router_expert_ids)
     losses = []
     for layer in layers:
+        if replay is not None and getattr(layer, "is_moe", False):
+            kwargs["router_expert_ids"] = next(replay)
         hidden_states, aux, z = layer(hidden_states, *args, **kwargs)
         if aux is not None:
-            losses.append(torch.stack([aux, z]))
+            losses.append((aux, z))
     if not losses:
         return hidden_states, None, None
-    aux, z = torch.stack(losses).mean(dim=0).unbind()
+    # each mean is a tensor of its own, not a view (unbind's): FSDP2 warns about views a wrapped model returns
+    aux, z = (torch.stack(column).mean() for column in zip(*losses))
     return hidden_states, aux, z
 
 

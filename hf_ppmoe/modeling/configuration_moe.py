@@ -10,7 +10,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.utils import logging
 
 from ..moe.experts import EXPERTS_IMPLEMENTATIONS
-from ..moe.gates import get_gate_class
+from ..moe.gates import AUX_LOSS_SCOPES, get_gate_class
 
 logger = logging.get_logger(__name__)
 
@@ -45,11 +45,15 @@ _SIZES = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
     "num_key_value_heads", "intermediate_size", "moe_intermediate_size", "head_dim", "max_position_embeddings",
     "num_experts", "num_experts_per_tok", "router_num_groups", "moe_layer_frequency", "shared_expert_intermediate_size",
+    "num_expert_groups", "topk_expert_groups",
 )
-_OPTIONAL_SIZES = ("num_decoder_layers", "num_key_value_heads", "moe_intermediate_size", "head_dim", "max_position_embeddings")
+_OPTIONAL_SIZES = (
+    "num_decoder_layers", "num_key_value_heads", "moe_intermediate_size", "head_dim", "max_position_embeddings",
+    "topk_expert_groups",
+)
 _NUMBERS = (
     "capacity_factor", "eval_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef", "router_jitter_noise",
-    "initializer_range", "layer_norm_eps",
+    "initializer_range", "layer_norm_eps", "router_bias_update_rate", "routed_scaling_factor",
 )
 
 
@@ -85,6 +89,21 @@ class MoEConfig(PreTrainedConfig):
             or a Transformers experts kernel ("grouped_mm", "batched_mm"). A config saved with the former name
             `dispatch` loads with one warning.
         router_z_loss_coef: weight of the router z-loss added to the loss.
+        router_aux_loss_scope: over which tokens the load-balancing loss counts the routes: "micro_batch" (default:
+            each forward's tokens, per GShard group), "sequence" (each sequence on its own, then averaged: DeepSeek-V3's
+            sequence-wise loss) or "global_batch" (the fraction counted over the last optimizer step's whole global
+            batch, all micro-batches and data-parallel processes, by `hf_ppmoe.moe.balance.LoadBalancer`; Qwen's
+            global-batch balance, arXiv 2501.11873, one step late so that it is exact for any layout).
+        router_expert_bias: aux-loss-free balancing (DeepSeek-V3): a per-expert bias added to the scores to choose the
+            experts (never to the weights), moved after every optimizer step by
+            `router_bias_update_rate * sign(mean load - load)` (`LoadBalancer`). "topk" gate only. Default False.
+        router_bias_update_rate: that step size (DeepSeek-V3's gamma; default 0.001).
+        router_score_function: "softmax" (default) or "sigmoid" (DeepSeek-V3, GLM-4-MoE: each score sigmoid(W x))
+            ("topk" gate).
+        routed_scaling_factor: the combine weights are multiplied by it (DeepSeek-V3; default 1.0) ("topk" gate).
+        num_expert_groups / topk_expert_groups: group-limited routing (DeepSeek-V3's n_group / topk_group): the
+            experts form num_expert_groups groups and a token's experts come from its topk_expert_groups best groups
+            (None: all). Not GShard's token groups (router_num_groups). ("topk" gate.)
     """
 
     hidden_act: str = "silu"
@@ -107,6 +126,13 @@ class MoEConfig(PreTrainedConfig):
     shared_expert_intermediate_size: int = 0
     router_aux_loss_coef: float = 0.01
     router_z_loss_coef: float = 0.001
+    router_aux_loss_scope: str = "micro_batch"
+    router_expert_bias: bool = False
+    router_bias_update_rate: float = 0.001
+    router_score_function: str = "softmax"
+    routed_scaling_factor: float = 1.0
+    num_expert_groups: int = 1
+    topk_expert_groups: int | None = None
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
@@ -167,6 +193,22 @@ class MoEConfig(PreTrainedConfig):
         check(
             self.topk_weighting in ("probs", "m6t"),
             f"topk_weighting={self.topk_weighting!r}: use 'probs' (top-k softmax probabilities) or 'm6t' (M6-T Eq. (1)).",
+        )
+        check(
+            self.router_aux_loss_scope in AUX_LOSS_SCOPES,
+            f"router_aux_loss_scope={self.router_aux_loss_scope!r}: use one of {', '.join(AUX_LOSS_SCOPES)}.",
+        )
+        check(
+            self.router_score_function in ("softmax", "sigmoid"),
+            f"router_score_function={self.router_score_function!r}: use 'softmax' or 'sigmoid'.",
+        )
+        check(self.router_bias_update_rate >= 0, f"router_bias_update_rate must be >= 0, got {self.router_bias_update_rate}.")
+        check(self.routed_scaling_factor > 0, f"routed_scaling_factor must be > 0, got {self.routed_scaling_factor}.")
+        plain_topk = self.router_score_function == "softmax" and self.num_expert_groups == 1 and self.routed_scaling_factor == 1.0
+        check(
+            self.router_type == "topk" or plain_topk,
+            f"router_score_function / num_expert_groups / routed_scaling_factor are options of router_type='topk'; "
+            f"router_type={self.router_type!r} would ignore them.",
         )
         get_gate_class(self.router_type).check_config(self)
         known = (*EXPERTS_IMPLEMENTATIONS, "eager", *ALL_EXPERTS_FUNCTIONS.keys())

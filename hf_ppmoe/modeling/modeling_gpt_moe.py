@@ -168,11 +168,15 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         compute_router_losses: bool | None = None,
+        router_expert_ids: tuple[torch.Tensor, ...] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> GPTMoEModelOutput:
         """Also takes output_attentions, output_hidden_states and output_router_logits (`capture_moe_outputs`).
         `compute_router_losses` (default: when gradients are enabled or router logits are requested) fills
-        `aux_loss` / `z_loss`; inference without gradients skips them, as they only cost time while decoding."""
+        `aux_loss` / `z_loss`; inference without gradients skips them, as they only cost time while decoding.
+        `router_expert_ids`: router replay (R3), one [batch * length, k] tensor per MoE layer (the shape
+        `output_router_logits` returns): every MoE layer routes by its ids; the gates still compute those routes'
+        weights, which get gradients, and capacity and padding apply as usual."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids or inputs_embeds.")
         config = self.config
@@ -233,6 +237,7 @@ class GPTMoEModel(GPTMoEPreTrainedModel):
             cache=cache,
             token_mask=token_mask,
             compute_router_losses=compute_router_losses,
+            router_expert_ids=router_expert_ids,
             position_ids=given_position_ids,
             **kwargs,
         )

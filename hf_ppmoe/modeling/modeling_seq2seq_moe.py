@@ -434,15 +434,20 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
         use_cache: bool | None = None,
         decoder_token_mask: torch.Tensor | None = None,
         compute_router_losses: bool | None = None,
+        encoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None,
+        decoder_router_expert_ids: tuple[torch.Tensor, ...] | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoEModelOutputWithLosses:
         """The encoder runs unless `encoder_outputs` is given (as `generate` does after its first step).
         decoder_token_mask [B, L]: decoder tokens that count in router losses/statistics (besides the mask).
+        encoder_router_expert_ids / decoder_router_expert_ids: router replay per stack, one [tokens, k] tensor per MoE
+        layer, as `output_router_logits` returns them (see `GPTMoEModel.forward`).
         output_attentions, output_hidden_states, output_router_logits: keyword flags for both stacks
         (`capture_moe_outputs`)."""
         if encoder_outputs is None:
             encoder_outputs = self.encoder(
-                input_ids, attention_mask, inputs_embeds, compute_router_losses=compute_router_losses, **kwargs
+                input_ids, attention_mask, inputs_embeds, compute_router_losses=compute_router_losses,
+                router_expert_ids=encoder_router_expert_ids, **kwargs,
             )
         elif isinstance(encoder_outputs, (tuple, list)):  # return_dict=False style: (last_hidden_state, ...)
             encoder_outputs = Seq2SeqMoEStackOutput(last_hidden_state=encoder_outputs[0])
@@ -456,6 +461,7 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
             use_cache=use_cache,
             token_mask=decoder_token_mask,
             compute_router_losses=compute_router_losses,
+            router_expert_ids=decoder_router_expert_ids,
             **kwargs,
         )
         aux_loss, z_loss = combine_router_losses(

@@ -1,5 +1,6 @@
 """Model-agnostic MoE building blocks (single device; parallelism is applied from `hf_ppmoe.parallel`)."""
 
+from .balance import LoadBalancer, bias_update
 from .experts import EXPERTS_FUNCTIONS, MLP, Experts, einsum_dispatch, index_dispatch
 from .kernels import CAPABILITIES, capability_table
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
@@ -14,6 +15,7 @@ __all__ = [
     "GATES",
     "Experts",
     "GShardGate",
+    "LoadBalancer",
     "Gate",
     "MLP",
     "MoELayer",
@@ -31,6 +33,7 @@ __all__ = [
     "group_size_for",
     "index_dispatch",
     "balance_loss",
+    "bias_update",
     "losses_wanted",
     "route_fractions",
     "router_loss",

@@ -57,16 +57,25 @@ class MoELayer(nn.Module):
         self.shared_expert = MLP(config, shared) if shared else None
 
     def forward(
-        self, hidden_states: torch.Tensor, token_mask: torch.Tensor | None = None, *, compute_losses: bool | None = None
+        self,
+        hidden_states: torch.Tensor,
+        token_mask: torch.Tensor | None = None,
+        *,
+        compute_losses: bool | None = None,
+        expert_ids: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Routing]:
         """hidden_states [..., H], token_mask [...] (False for padding) -> (output [..., H], Routing).
 
-        compute_losses: the router losses and statistics, by default with gradients (`losses.losses_wanted`)."""
+        compute_losses: the router losses and statistics, by default with gradients (`losses.losses_wanted`).
+        expert_ids [T, K] (T = the tokens of hidden_states): router replay, these routes instead of the gate's choice
+        (the gate still computes their weights, which get gradients)."""
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, shape[-1])
         if token_mask is not None:
             token_mask = token_mask.reshape(-1).bool()
-        out, routing = self.dispatcher(self, x, token_mask, compute_losses)
+        sequence_length = shape[-2] if len(shape) > 2 else None
+        with self.gate.given(expert_ids=expert_ids, sequence_length=sequence_length):
+            out, routing = self.dispatcher(self, x, token_mask, compute_losses)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(shape), routing

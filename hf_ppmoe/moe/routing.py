@@ -33,6 +33,11 @@ class Routing(NamedTuple):
     z_loss: torch.Tensor | None = None  # scalar router z-loss (padding excluded)
     tokens_per_expert: torch.Tensor | None = None  # [E] float32: routes each expert received, real tokens only
     dropped_fraction: torch.Tensor | None = None  # scalar: routes chosen but dropped by capacity / routes chosen
+    # what the load-balancing loss counted: [E] float32 the routes of the gate's `assignment` per expert, each its
+    # share of a token (real tokens only, before capacity), and the number of real tokens (a scalar); their ratio is
+    # the loss's fraction c_e/S over the whole input. Summed over a step's inputs for the "global_batch" loss scope.
+    assigned_per_expert: torch.Tensor | None = None
+    num_tokens: torch.Tensor | None = None
 
     @property
     def top_k(self) -> int:
@@ -50,6 +55,15 @@ def capacity_for(capacity_factor: float | None, top_k: int, group_size: int, num
     if capacity_factor is None:
         return None
     return max(1, math.ceil(capacity_factor * top_k * group_size / num_experts))
+
+
+def capacity_in_mode(
+    capacity_factor: float | None, eval_capacity_factor: float | None, training: bool, top_k: int, group_size: int,
+    num_experts: int,
+) -> int | None:
+    """The capacity a gate applies: `capacity_factor` in training, `eval_capacity_factor` in evaluation
+    (`capacity_for`). The one place this choice is written."""
+    return capacity_for(capacity_factor if training else eval_capacity_factor, top_k, group_size, num_experts)
 
 
 def positions_in_expert(expert_ids: torch.Tensor, num_experts: int, group_size: int) -> torch.Tensor:

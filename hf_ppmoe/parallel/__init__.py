@@ -9,7 +9,7 @@ imports torch.distributed).
     parallelize(model, mesh["tp"], ep=expert_mesh(mesh, 4).ep)   experts over 4 ranks (> tp): all-to-all
 
 `print(model)` afterwards shows the modules each style changed (`PPMoEDispatcher`, `ExpertParallelExperts`,
-`TensorParallelLinear`, ...: modules.py). `hf_ppmoe.parallel.megatron_plugin` (imported on its own) is the Megatron-LM
+`TensorParallelLinear`, ...: modules.py). `hf_ppmoe.megatron` is the Megatron-LM
 backend through Accelerate.
 
 Transformers' own entry points use the same rules: `from_pretrained(path, distributed_config=DistributedConfig(
@@ -18,8 +18,8 @@ ep_implementation="ppmoe")` (through Transformers' expert-parallel dispatch).
 """
 
 from . import expert_parallel  # registers the "ppmoe" plan styles and expert-parallel implementation
-from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad
-from .data_parallel import clip_grad_norm_, fully_shard_model, state_bytes
+from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad, sum_over
+from .fsdp import clip_grad_norm_, fully_shard_model, state_bytes
 from .expert_parallel import AllToAllDispatcher, PPMoEDispatcher, PPMoEExperts
 from .mesh import ExpertMesh, batch_mesh, expert_mesh, init_distributed, make_mesh
 from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, Seq2SeqMoEStage, split_layers
@@ -48,4 +48,5 @@ __all__ = [
     "scale_grad",
     "split_layers",
     "state_bytes",
+    "sum_over",
 ]

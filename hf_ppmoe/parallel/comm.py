@@ -152,3 +152,16 @@ class count_collectives(TorchDispatchMode):
                 )
             )
         return func(*args, **(kwargs or {}))
+
+
+def sum_over(group=None):
+    """A function that returns the sum of a tensor over the processes of `group` (the default group when None),
+    leaving its argument as it was: one all-reduce per call, no autograd. The `reduce` of
+    `hf_ppmoe.moe.balance.LoadBalancer.step` in a data-parallel loop of your own."""
+
+    def reduce(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.clone()
+        dist.all_reduce(tensor, group=group)
+        return tensor
+
+    return reduce

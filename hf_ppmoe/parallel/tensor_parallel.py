@@ -134,7 +134,7 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
 
     `ep`: experts on more ranks than `tp` (`expert_mesh(mesh, ep_size).ep`, k tensor-parallel groups that read
     different batches): every MoE layer's experts are split over it and reached through Transformers' all-to-all
-    (data_parallel.py) instead of PPMoE; the rest is split over `tp` as before. Then shard the model with
+    (fsdp.py) instead of PPMoE; the rest is split over `tp` as before. Then shard the model with
     `fully_shard_model(model, mesh, experts)`, which also averages the experts' gradients over the data-parallel
     ranks. Gather such a model for saving from its state dict (`full_tensor()` of every entry), as hf_ppmoe.training
     does.

@@ -121,6 +121,11 @@ class TrainArguments:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.model_name_or_path is None and self.config_name is None and self.num_experts_per_tok > self.num_experts:
+            default = " (the default)" if self.num_experts_per_tok == 2 else ""  # upcycling or the default model
+            raise ValueError(f"--num_experts_per_tok {self.num_experts_per_tok}{default} is more than --num_experts "
+                             f"{self.num_experts}: a token cannot take more experts than there are; lower "
+                             "--num_experts_per_tok or raise --num_experts.")
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (a causal LM predicts each token from those before it), got {self.block_size}.")
         if not self.max_grad_norm >= 0:

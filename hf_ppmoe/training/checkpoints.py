@@ -1,4 +1,9 @@
-"""What a training checkpoint records about its run, and the checks that make `--resume` continue that run or refuse.
+"""Training checkpoints: the `Checkpointer` that writes and reads them (checkpoints/step_N), what a checkpoint records
+about its run, and the checks that make `--resume` continue that run or refuse.
+
+A checkpoint folder holds Accelerate's state (model, optimizer, scheduler, RNG states of every process), a split
+model's and its optimizer's shards (`sharded_model_optimizer/`, torch.distributed.checkpoint, every process writing
+its own), each process's data position (`data_state_<process>.pt`, streamed data) and `trainer_state.json`.
 
 Every checkpoint's `trainer_state.json` (written last, when the checkpoint is complete) holds:
 
@@ -29,10 +34,21 @@ from __future__ import annotations
 
 import json
 import uuid
+from contextlib import nullcontext
 from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from accelerate.utils import broadcast_object_list
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..parallel.checkpoint import load_distributed_checkpoint
+from ..utils.atomic import atomic_folder
 
 CHECKPOINT_PREFIX = "step_"
 STATE_FILE = "trainer_state.json"
+SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
+DATA_STATE = "data_state_"  # + process index + ".pt": the data position of each process (streamed data)
 
 # arguments that may differ on resume: where the model and data come from (what they are is compared through
 # model_config and data), evaluation, logging, checkpointing and output, and FSDP's memory-for-communication trade
@@ -207,3 +223,67 @@ def check_resume(saved: dict, current: dict, allowed: list[str] | None) -> dict[
             "logged)."
         )
     return changed
+
+
+def sharded_state(model, optimizer, stage: int | None = None) -> dict:
+    """Model and optimizer state for torch.distributed.checkpoint; a pipeline stage's under its own key (the stages
+    number their layers from 0 alike; the replicas of a stage write it once)."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    return state if stage is None else {f"stage_{stage}": state}
+
+
+def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
+    """Read `sharded_state`'s files into `model` and `optimizer` (refusing pickled code: parallel.checkpoint)."""
+    state = sharded_state(model, optimizer, stage)
+    load_distributed_checkpoint(state, path)
+    state = state if stage is None else state[f"stage_{stage}"]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+
+
+class Checkpointer:
+    """Writes and reads a run's checkpoints, as torchtitan's `CheckpointManager`: the loop says `save(step)` and
+    `load(folder)`, and this object knows what a checkpoint holds.
+
+    accelerator  Accelerate's state (model, optimizer, scheduler, RNG) is saved and loaded through it
+    output_dir   checkpoints go to output_dir/checkpoints/step_N
+    record       what every checkpoint records about the run (`run_record`)
+    sharded      (model, optimizer, pipeline stage or None) that Accelerate does not hold (a split model), saved
+                 by every process into SHARDED with torch.distributed.checkpoint
+    data         the training data; its position (`data.state_dict()`, when it has one) is saved per process
+    """
+
+    def __init__(self, accelerator, output_dir, record: dict, sharded: tuple | None = None, data=None):
+        self.accelerator, self.root = accelerator, Path(output_dir, "checkpoints")
+        self.record, self.sharded, self.data = record, sharded, data
+
+    def folder(self, step: int) -> Path:
+        return self.root / f"{CHECKPOINT_PREFIX}{step}"
+
+    def save(self, step: int) -> Path:
+        """Write checkpoints/step_N: into a temporary folder that replaces it in one step when complete
+        (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step);
+        trainer_state.json last. Every process calls it."""
+        accelerator, final = self.accelerator, self.folder(step)
+        with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
+            (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
+            accelerator.save_state(str(staging))
+            if self.sharded is not None:
+                dcp.save(sharded_state(*self.sharded), checkpoint_id=staging / SHARDED)
+            if self.data is not None and (position := self.data.state_dict()):
+                torch.save(position, staging / f"{DATA_STATE}{accelerator.process_index}.pt")
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                write_state(staging, step, self.record)
+        accelerator.wait_for_everyone()
+        return final
+
+    def load(self, folder: Path) -> None:
+        """Accelerate's state, a split model's shards and this process's data position from `folder` (checked
+        first with `read_checkpoint`)."""
+        self.accelerator.load_state(str(folder))
+        if self.sharded is not None:
+            load_sharded(folder / SHARDED, *self.sharded)
+        position = folder / f"{DATA_STATE}{self.accelerator.process_index}.pt"
+        if self.data is not None and position.is_file():
+            self.data.load_state_dict(torch.load(position, weights_only=True))

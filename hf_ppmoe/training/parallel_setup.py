@@ -1,6 +1,6 @@
 """How `python -m hf_ppmoe.training` splits the model over its processes (all of it from hf_ppmoe.parallel): which
-processes read which data (`DataParallel`), the split (`split_model`), the gradient norm over the split
-(`clip_grad_norm_`), the whole model gathered for saving (`gather_model`), and Accelerate's FSDP request mapped onto
+processes read which data (`DataParallelGroup`), the split (`split_model`), the gradient norm over the split
+(`clip_gradients`), the whole model gathered for saving (`gather_model`), and Accelerate's FSDP request mapped onto
 these flags or refused (`accelerate_fsdp_request`).
 
 WORLD_SIZE = replicas x fsdp_size x pp_size x tp_size, on a (dp, fsdp, pp, tp) mesh (tp innermost):
@@ -35,10 +35,11 @@ from .. import parallel
 from ..parallel import Pipeline, batch_mesh, expert_mesh, fully_shard_model, make_mesh, parallelize
 
 
-class DataParallel:
-    """The processes that read different data: all of Accelerate's (each holds the whole model; Accelerate's DDP
-    averages the gradients), or with a split model the mesh's replicas and FSDP ranks (`batch_mesh`), each
-    `pp_size * tp_size` consecutive processes seeing the same batches. `rank` / `size` number them; `experts` is the
+class DataParallelGroup:
+    """The processes that read different data, as a process group with a `reduce` (it averages no gradients: that is
+    Accelerate's DDP, or FSDP2 for a split model). All of Accelerate's processes (each holds the whole model), or with
+    a split model the mesh's replicas and FSDP ranks (`batch_mesh`), each `pp_size * tp_size` consecutive processes
+    seeing the same batches. `rank` / `size` number them; `experts` is the
     `expert_mesh` when `ep_size` > `tp_size`."""
 
     def __init__(self, accelerator: Accelerator, tp_size: int, pp_size: int = 1, fsdp_size: int = 1, ep_size=None):
@@ -75,7 +76,7 @@ class DataParallel:
         return tensor / self.size if reduction == "mean" else tensor
 
 
-def split_model(model, args, dp: DataParallel, monitor=None):
+def split_model(model, args, dp: DataParallelGroup, monitor=None):
     """Pipeline stage, tensor / expert parallelism, then FSDP2, in that order (every process built the same weights:
     same seed or checkpoint). `args` gives tp_size, pp_size and (the pipeline's microbatches)
     gradient_accumulation_steps; a `RouterMonitor` keeps only the stage's layers. Returns (the module to train, the
@@ -97,7 +98,7 @@ def split_model(model, args, dp: DataParallel, monitor=None):
     return model, pipe
 
 
-def clip_grad_norm_(model, max_norm: float, dp: DataParallel, pipe: Pipeline | None = None) -> torch.Tensor:
+def clip_gradients(model, max_norm: float, dp: DataParallelGroup, pipe: Pipeline | None = None) -> torch.Tensor:
     """Clip by the whole model's gradient norm; returns the norm before clipping. A split model's norm sums every
     shard's squares and, in a pipeline, every stage's, a parameter several stages hold counted by its first holder."""
     if dp.mesh is None:
@@ -110,7 +111,7 @@ def clip_grad_norm_(model, max_norm: float, dp: DataParallel, pipe: Pipeline | N
     return parallel.clip_grad_norm_(params, max_norm, norm_parameters=counted, group=group)
 
 
-def gather_model(model, dp: DataParallel, pipe: Pipeline | None = None):
+def gather_model(model, dp: DataParallelGroup, pipe: Pipeline | None = None):
     """The whole model on rank 0 (None elsewhere) from a split one: replica 0's state dict with every shard gathered
     (`full_tensor`, collectives of the groups that hold it), a pipeline's stages (whose parameters carry the whole
     model's names, `hf_ppmoe.modeling.stages`) collected on stage 0."""

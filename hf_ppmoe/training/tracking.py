@@ -53,13 +53,19 @@ class RouterMonitor:
             self.tokens, self.dropped, self.calls = saved
 
     def collect(self, reduce=lambda t: t) -> dict[str, float]:
-        """Per layer: coefficient of variation of expert load (0 = perfectly balanced) and dropped-route fraction.
-        `reduce` sums a tensor over data-parallel processes (e.g. accelerator.reduce)."""
+        """Per layer: coefficient of variation of expert load (0 = perfectly balanced), the largest expert's load over
+        the mean (1 = balanced; the capacity a dropless step needed), the experts that received no route ("dead") and
+        the dropped-route fraction. Loads are the routes each expert received over the interval (real tokens, after
+        capacity: they sum to tokens x k minus the dropped routes). `reduce` sums a tensor over data-parallel
+        processes (e.g. accelerator.reduce)."""
         metrics = {}
         for name, tokens in self.tokens.items():
             tokens = reduce(tokens)
             short = name.removeprefix("model.").removesuffix(".mlp")
-            metrics[f"expert_load_cv/{short}"] = (tokens.std(unbiased=False) / tokens.mean().clamp(min=1e-9)).item()
+            mean = tokens.mean().clamp(min=1e-9)
+            metrics[f"expert_load_cv/{short}"] = (tokens.std(unbiased=False) / mean).item()
+            metrics[f"load_max_over_mean/{short}"] = (tokens.max() / mean).item()
+            metrics[f"dead_experts/{short}"] = int((tokens == 0).sum())
             metrics[f"dropped_fraction/{short}"] = (reduce(self.dropped[name]) / reduce(torch.tensor(float(self.calls[name])))).item()
         self.reset()
         return metrics
@@ -177,88 +183,3 @@ def plot_training(metrics_path, out_dir) -> list[Path]:
     if plot_expert_load(records, out_dir / "expert_load.png"):
         written.append(out_dir / "expert_load.png")
     return written
-
-
-def _smooth(values: list[float], window: int) -> list[float]:
-    """Trailing moving average (the first points average what there is)."""
-    out, total = [], 0.0
-    for i, v in enumerate(values):
-        total += v - (values[i - window] if i >= window else 0.0)
-        out.append(total / min(i + 1, window))
-    return out
-
-
-def _mean(rows: list[list[float]]) -> list[float]:
-    return [sum(column) / len(column) for column in zip(*rows)]
-
-
-def plot_paired_runs(runs: dict[str, list[list[dict]]], path, pretraining: list[dict] | None = None, window: int = 10) -> None:
-    """Runs of two models trained on the same batches (one list of metrics records per seed, seed i of one model
-    paired with seed i of the other), in panels: [pre-training,] both models' LM loss (train: mean over seeds, moving
-    average of `window` steps; eval: mean over seeds, markers), and the first model minus the second per step and per
-    seed (train, thin; their mean, moving average, thick; eval, markers). Steps are those of the paired runs."""
-    (name_a, runs_a), (name_b, runs_b) = runs.items()
-    plt = _pyplot()
-    panels = 3 if pretraining else 2
-    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
-    if pretraining:
-        ax = axes[0]
-        ax.plot(*curve(pretraining, "train/lm_loss"), color="gray", label="train")
-        if (points := curve(pretraining, "eval/loss")) is not None:
-            ax.plot(*points, color="black", marker="o", linestyle="--", label="held-out")
-        ax.set_title("dense pre-training")
-        ax.set_xlabel("step")
-        ax.set_ylabel("LM cross-entropy")
-    ax = axes[-2]
-    for (name, seeds), color in zip(runs.items(), ("tab:red", "tab:blue")):
-        steps = curve(seeds[0], "train/lm_loss")[0]
-        ax.plot(steps, _smooth(_mean([curve(r, "train/lm_loss")[1] for r in seeds]), window), color=color, label=f"{name}, train")
-        eval_steps = curve(seeds[0], "eval/loss")[0]
-        ax.plot(eval_steps, _mean([curve(r, "eval/loss")[1] for r in seeds]), color=color, marker="o", linestyle="--",
-                label=f"{name}, held-out")
-    ax.set_title(f"fine-tuning (mean of {len(runs_a)} seed{'s' * (len(runs_a) > 1)})")
-    ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("LM cross-entropy")
-    ax = axes[-1]
-    train_diffs = []
-    for seed, (a, b) in enumerate(zip(runs_a, runs_b)):
-        steps, va = curve(a, "train/lm_loss")
-        train_diffs.append([x - y for x, y in zip(va, curve(b, "train/lm_loss")[1])])
-        ax.plot(steps, train_diffs[-1], color="tab:purple", alpha=0.25, linewidth=0.7, label="train, per seed" if seed == 0 else None)
-        eval_steps, ea = curve(a, "eval/loss")
-        ax.plot(eval_steps, [x - y for x, y in zip(ea, curve(b, "eval/loss")[1])], color="black", marker="o",
-                linestyle="none", label="held-out, per seed" if seed == 0 else None)
-    ax.plot(steps, _smooth(_mean(train_diffs), window), color="tab:purple", linewidth=2,
-            label=f"train, mean ({window}-step average)")
-    ax.axhline(0.0, color="black", linewidth=0.8)
-    ax.set_title(f"{name_a} minus {name_b} (below 0: {name_a} is better)")
-    ax.set_xlabel("fine-tuning step")
-    ax.set_ylabel("LM cross-entropy difference")
-    for ax in axes:
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    _save(fig, path)
-
-
-def plot_expert_share(panels: dict[str, dict[str, list[float]]], path) -> None:
-    """Heatmaps of the share of routes each expert receives in each MoE layer, one panel per title:
-    {title: {layer name: [share of expert 0, 1, ...]}}; cells annotated in percent."""
-    plt = _pyplot()
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 0.6 + 0.55 * max(len(p) for p in panels.values()) + 1.2),
-                             squeeze=False)
-    uniform = 100 / len(next(iter(next(iter(panels.values())).values())))
-    top = max(2 * uniform, *(100 * v for shares in panels.values() for row in shares.values() for v in row))  # one scale
-    for ax, (title, shares) in zip(axes[0], panels.items()):
-        layers = list(shares)
-        grid = [[100 * v for v in shares[layer]] for layer in layers]
-        image = ax.imshow(grid, cmap="viridis", vmin=0, vmax=top, aspect="auto")
-        for i, row in enumerate(grid):
-            for j, value in enumerate(row):
-                ax.text(j, i, f"{value:.0f}", ha="center", va="center", fontsize=7,
-                        color="white" if value < uniform else "black")
-        ax.set_xticks(range(len(grid[0])))
-        ax.set_yticks(range(len(layers)), layers)
-        ax.set_xlabel("expert")
-        ax.set_title(title, fontsize=9)
-        fig.colorbar(image, ax=ax, label=f"% of routes (uniform: {uniform:.1f})")
-    _save(fig, path)

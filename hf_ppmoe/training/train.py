@@ -5,7 +5,10 @@
     train_step(run, step)           one optimizer step: the micro-steps (or one pipeline step), clipping, optimizer
     evaluate(run)                   LM loss and perplexity on the validation batches
     train(args)                     the loop: train_step, then log / evaluate / checkpoint at their intervals; save
+    finish(run, evaluation)         the outputs written, the trackers closed and the process group destroyed
 
+The loop does no I/O of its own: model and tokenizer come from `build.py`, checkpoints are written and read by the
+`Checkpointer` of `checkpoints.py`, and the final model, card, plots and Hub push are `output.py`'s.
 The data is an object (see `block_data.py`) that hands each data-parallel process its batch for (step, micro-step); with
 Accelerate's saved optimizer, scheduler and RNG states, `--resume` continues exactly where an uninterrupted run would
 be (what a checkpoint records and the checks that refuse a resume that would not: `checkpoints.py`).
@@ -24,111 +27,30 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, set_seed
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, get_scheduler
+from transformers import get_scheduler
 
-from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
+from ..modeling import GPTMoEForCausalLM
 from ..modeling.loss import lm_loss_of
-from ..parallel.checkpoint import load_distributed_checkpoint
-from ..parallel.data_parallel import set_gradient_sync
-from ..utils.atomic import atomic_folder
+from ..moe.balance import LoadBalancer
+from ..parallel.fsdp import set_gradient_sync
 from ..utils.chat_template import chat_template_text
-from ..utils.model_card import training_card, write_card
 from .arguments import TrainArguments
 from .block_data import load_data
-from .checkpoints import CHECKPOINT_PREFIX, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record, write_state
+from .build import build_model, is_seq2seq, load_tokenizer
+from .checkpoints import Checkpointer, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record
 from .consistency import check_processes_agree
-from .data import Source, train_tokenizer
-from .pairs import generation_metrics, load_pairs, pair_data
-from .parallel_setup import DataParallel, accelerate_fsdp_request, clip_grad_norm_, gather_model, split_model
-from .tracking import JSONLinesTracker, RouterMonitor, plot_training
-
-TOKENIZER_TRAINING_CHARACTERS = 20_000_000  # a tokenizer trained for a model from scratch reads this much text
-
-
-def is_seq2seq(args: TrainArguments) -> bool:
-    """Whether the model to train is an encoder-decoder (then the data are (source, target) pairs: pairs.py)."""
-    source = args.model_name_or_path or args.config_name or args.upcycle_from
-    return bool(source) and bool(getattr(AutoConfig.from_pretrained(source), "is_encoder_decoder", False))
-
-
-def load_tokenizer(args: TrainArguments, texts=None):
-    """The model's (or --tokenizer_name's) tokenizer; for a model trained from scratch a BPE tokenizer fitted to
-    `texts`, by default the first documents of the training data."""
-    source = args.tokenizer_name or args.model_name_or_path or args.upcycle_from
-    if source:
-        try:
-            return AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError):
-            if args.tokenizer_name:
-                raise
-    if texts is not None:
-        return train_tokenizer(texts)
-    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
-
-    def documents():
-        characters = 0
-        for batch in train.texts():
-            for text in batch:
-                yield text
-                characters += len(text)
-                if characters >= TOKENIZER_TRAINING_CHARACTERS:
-                    return
-
-    return train_tokenizer(documents())
-
-
-def build_model(args: TrainArguments, tokenizer):
-    """Our GPT-MoE (loaded, from a config, upcycled, or the default small one), or any Transformers causal LM (a
-    dense baseline trained by the same script; it simply has no router metrics)."""
-    seq2seq = is_seq2seq(args)
-    auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    if args.model_name_or_path:
-        model = auto.from_pretrained(args.model_name_or_path)
-    elif args.upcycle_from:
-        from ..conversion import upcycle
-
-        model = upcycle(
-            args.upcycle_from,
-            num_experts=args.num_experts,
-            num_experts_per_tok=args.num_experts_per_tok,
-            router_type=args.router_type,
-            router_init=args.router_init,
-            noise_std=args.expert_noise_std,
-            seed=args.seed,
-        )
-    elif args.config_name:  # any causal-LM or seq2seq config.json (model_type decides the class), the tokenizer's ids
-        config = AutoConfig.from_pretrained(args.config_name)
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-            setattr(config, name, getattr(tokenizer, name))
-        if seq2seq:
-            config.decoder_start_token_id = tokenizer.pad_token_id  # T5's convention
-        model = auto.from_config(config)
-    else:
-        model = GPTMoEForCausalLM(
-            GPTMoEConfig(
-                vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
-                num_attention_heads=4, max_position_embeddings=max(512, args.block_size),
-                num_experts=args.num_experts, num_experts_per_tok=args.num_experts_per_tok, router_type=args.router_type,
-                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-            )
-        )
-    if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(
-            f"The tokenizer has {len(tokenizer)} tokens but the model's vocab_size is {model.config.vocab_size}; "
-            "use the model's own tokenizer (--tokenizer_name) or resize the embeddings first."
-        )
-    return model
+from .output import push, write_outputs
+from .pairs import load_pairs, pair_data
+from .parallel_setup import DataParallelGroup, accelerate_fsdp_request, clip_gradients, split_model
+from .tracking import JSONLinesTracker, RouterMonitor
 
 
 @dataclass
@@ -137,7 +59,7 @@ class Run:
 
     args: TrainArguments
     accelerator: Accelerator
-    dp: DataParallel
+    dp: DataParallelGroup
     model: torch.nn.Module  # what trains: the prepared model, a split model, or the pipeline stage
     optimizer: torch.optim.Optimizer
     scheduler: object
@@ -146,10 +68,11 @@ class Run:
     monitor: RouterMonitor
     jsonl: JSONLinesTracker
     record: dict  # what every checkpoint records about the run (checkpoints.py)
+    checkpointer: Checkpointer
     pipe: object = None  # hf_ppmoe.parallel.Pipeline with --pp_size
-    sharded: tuple | None = None  # (model, optimizer, stage) that Accelerate does not hold
     start_step: int = 0
     changes: dict = field(default_factory=dict)
+    balancer: LoadBalancer | None = None  # per-step bias balancing and global-batch balance (hf_ppmoe.moe.balance)
     no_target: torch.Tensor = field(init=False)  # micro-batches without a target since the last log (on the device)
 
     def __post_init__(self):
@@ -199,7 +122,7 @@ def setup(args: TrainArguments) -> Run:
         tokenizer.chat_template = chat_template_text(args.chat_template)
     model = build_model(args, tokenizer)
     args.check_model(model.config)
-    dp = DataParallel(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
+    dp = DataParallelGroup(accelerator, args.tp_size, args.pp_size, args.fsdp_size, args.ep_size)
     clock = time.perf_counter()
     if seq2seq:
         data = pair_data(args, tokenizer, train_pairs, val_pairs, dp)
@@ -214,7 +137,7 @@ def setup(args: TrainArguments) -> Run:
     if saved:
         record["changes"] = saved.get("changes", []) + ([{"step": resume_step, "changed": changes}] if changes else [])
     model.train()
-    monitor = RouterMonitor(model)
+    monitor, balancer = RouterMonitor(model), LoadBalancer(model)
     model, pipe = split_model(model, args, dp, monitor)  # with tp/pp/fsdp/ep sizes: see parallel_setup.py
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "norm" not in n]
@@ -229,10 +152,13 @@ def setup(args: TrainArguments) -> Run:
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     else:  # see the module docstring
         scheduler, sharded = accelerator.prepare(scheduler), (model, optimizer, pipe.rank if pipe else None)
-    run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, pipe,
-              sharded=sharded, changes=changes)
+    checkpointer = Checkpointer(accelerator, args.output_dir, record, sharded, data)
+    run = Run(args, accelerator, dp, model, optimizer, scheduler, data, tokenizer, monitor, jsonl, record, checkpointer,
+              pipe, changes=changes, balancer=balancer)
+    if balancer.layers:  # its global-batch fractions are training state (the bias is saved with the model)
+        accelerator.register_for_checkpointing(balancer)
     if checkpoint is not None:
-        load_checkpoint(run, checkpoint)
+        checkpointer.load(checkpoint)
         run.start_step = resume_step
         accelerator.print(f"resumed from {checkpoint} at step {resume_step}")
     return run
@@ -264,7 +190,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         batch = torch.cat([run.data.batch(step, m)["input_ids"] for m in range(accumulation)]).to(run.device)
         with run.accelerator.autocast():
             run.pipe.step(batch, batch)
-        grad_norm = clip_grad_norm_(run.model, args.max_grad_norm, run.dp, run.pipe)
+        grad_norm = clip_gradients(run.model, args.max_grad_norm, run.dp, run.pipe)
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
         sums = torch.stack([run.pipe.losses[name] for name in ("lm", "aux", "z")])
@@ -275,9 +201,10 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
                 set_gradient_sync(run.model, run.accelerator.sync_gradients)  # FSDP: reduce on the last micro-step
                 sums += forward_backward_step(run, run.data.batch(step, micro)) / accumulation
                 if run.accelerator.sync_gradients:
-                    grad_norm = clip_grad_norm_(run.model, args.max_grad_norm, run.dp)
+                    grad_norm = clip_gradients(run.model, args.max_grad_norm, run.dp)
                     run.optimizer.step()
                     run.optimizer.zero_grad(set_to_none=True)
+    run.balancer.step(run.dp.reduce)  # the step's routes over all micro-batches and data-parallel processes
     run.scheduler.step()
     return run.dp.reduce(sums, reduction="mean"), grad_norm  # the same on every rank: all stop together
 
@@ -398,7 +325,7 @@ def train(args: TrainArguments) -> dict:
             eval_metrics = evaluate(run)
             accelerator.log(eval_metrics, step=done)
         if save_now:
-            save_checkpoint(accelerator, args, done, run.record, run.sharded, run.data)
+            run.checkpointer.save(done)
         clock += time.perf_counter() - paused
     finish(run, eval_metrics)
     if eval_metrics:
@@ -413,114 +340,16 @@ def train(args: TrainArguments) -> dict:
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
 
-def generate_and_score(model, run: Run) -> dict:
-    """chrF and BLEU of the final model's outputs (GShard flat beam search) for the first generation_eval_pairs
-    validation pairs, and a few of them as samples (logs/samples.jsonl)."""
-    args, pairs = run.args, run.data.validation_pairs
-    pairs = pairs.select(range(min(args.generation_eval_pairs or len(pairs), len(pairs))))
-    scores, outputs = generation_metrics(model, run.tokenizer, pairs, num_beams=args.generation_num_beams,
-                                         max_new_tokens=args.max_target_length, max_source_length=args.max_source_length,
-                                         batch_size=args.per_device_train_batch_size)
-    with open(Path(args.output_dir, "logs", "samples.jsonl"), "w") as f:
-        for pair, output in list(zip(pairs, outputs))[:8]:
-            f.write(json.dumps({"source": pair["source"], "target": pair["target"], "generated": output}) + "\n")
-    return scores
-
-
 def finish(run: Run, evaluation: dict) -> None:
-    """The final model (gathered whole from a split one), tokenizer and model card (with the last `evaluation`) in
-    output_dir, plots, and the Hub push."""
-    accelerator, args, output_dir = run.accelerator, run.args, Path(run.args.output_dir)
+    """After the last step: the outputs written (output.py), the trackers closed and the process group destroyed
+    (`end_training`), then the Hub push."""
+    accelerator = run.accelerator
     accelerator.wait_for_everyone()
     run.monitor.remove()
-    if run.dp.mesh is not None:  # the whole model, on rank 0
-        unwrapped = gather_model(run.model, run.dp, run.pipe)
-        if accelerator.is_main_process:
-            unwrapped.save_pretrained(output_dir)
-    else:
-        unwrapped = accelerator.unwrap_model(run.model)
-        unwrapped.save_pretrained(output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
-    if accelerator.is_main_process:
-        run.tokenizer.save_pretrained(output_dir)
-        if unwrapped.config.is_encoder_decoder:  # chrF / BLEU of flat-beam-search outputs, on the whole final model
-            evaluation.update(generate_and_score(unwrapped, run))
-            accelerator.log(evaluation, step=args.max_steps)
-        write_card(output_dir, training_card(
-            unwrapped, name=output_dir.resolve().name, source=args.model_name_or_path or args.upcycle_from,
-            datasets=[args.dataset_name], evaluation=evaluation,
-        ))
-        if args.plots:
-            plot_training(output_dir / "logs" / "metrics.jsonl", output_dir / "plots")
+    write_outputs(run, evaluation)
     accelerator.end_training()
-    if args.push_to_hub and accelerator.is_main_process:
-        push(args)
+    if run.args.push_to_hub and accelerator.is_main_process:
+        push(run.args)
 
 
 main = train  # the package's entry point name
-
-
-SHARDED = "sharded_model_optimizer"  # a checkpoint's subfolder for a split model (tp/pp/fsdp) and its optimizer
-DATA_STATE = "data_state_"  # + process index + ".pt": the data position of each process (streamed data)
-
-
-def sharded_state(model, optimizer, stage: int | None = None) -> dict:
-    """Model and optimizer state for torch.distributed.checkpoint; a pipeline stage's under its own key (the stages
-    number their layers from 0 alike; the replicas of a stage write it once)."""
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    return state if stage is None else {f"stage_{stage}": state}
-
-
-def save_checkpoint(accelerator: Accelerator, args: TrainArguments, step: int, record: dict, sharded=None, data=None) -> None:
-    """Accelerate state into a temporary folder that replaces checkpoints/step_N in one step when complete
-    (hf_ppmoe.utils.atomic: a killed or failed save leaves no checkpoint, or the earlier one of that step), with
-    the run's `record` (hf_ppmoe.training.checkpoints). sharded: (model, optimizer, pipeline stage or None) that
-    Accelerate does not hold (tensor / pipeline parallel), saved by every process. data: the training data, whose
-    position (`data.state_dict()`, when it has one) every process saves as data_state_<process>.pt."""
-    final = Path(args.output_dir, "checkpoints", f"{CHECKPOINT_PREFIX}{step}")
-    with atomic_folder(final, overwrite=True) if accelerator.is_main_process else nullcontext() as staging:
-        (staging,) = broadcast_object_list([staging])  # the main process's temporary folder, written by all
-        accelerator.save_state(str(staging))
-        if sharded is not None:
-            dcp.save(sharded_state(*sharded), checkpoint_id=staging / SHARDED)
-        if data is not None and (position := data.state_dict()):
-            torch.save(position, staging / f"{DATA_STATE}{accelerator.process_index}.pt")
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            write_state(staging, step, record)
-    accelerator.wait_for_everyone()
-
-
-def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None:
-    state = sharded_state(model, optimizer, stage)
-    load_distributed_checkpoint(state, path)
-    state = state if stage is None else state[f"stage_{stage}"]
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-
-
-
-
-def load_checkpoint(run: Run, checkpoint: Path) -> None:
-    """Accelerate's state, a split model's shards and the data position from `checkpoint`."""
-    run.accelerator.load_state(str(checkpoint))
-    if run.sharded is not None:
-        load_sharded(checkpoint / SHARDED, *run.sharded)
-    position = checkpoint / f"{DATA_STATE}{run.accelerator.process_index}.pt"
-    if position.is_file():
-        run.data.load_state_dict(torch.load(position, weights_only=True))
-
-
-def push(args: TrainArguments) -> None:
-    """Upload the output folder as it was saved (model, tokenizer, model card, logs and plots; not the checkpoints)."""
-    from huggingface_hub import HfApi
-
-    repo_id = args.hub_model_id or Path(args.output_dir).resolve().name
-    try:
-        api = HfApi()
-        repo_id = api.create_repo(repo_id, exist_ok=True).repo_id
-        api.upload_folder(repo_id=repo_id, folder_path=args.output_dir, ignore_patterns=["checkpoints/*", ".*"])
-    except Exception as error:  # network, authentication, offline mode: say what to do
-        raise RuntimeError(
-            f"Pushing to the Hub repository {repo_id!r} failed ({type(error).__name__}: {error}). The trained model is "
-            f"saved in {args.output_dir}; log in with `hf auth login` and upload it with `hf upload {repo_id} {args.output_dir}`."
-        ) from error

@@ -23,6 +23,9 @@ What is logged, every logging step and for every evaluation (prefixed `eval_`), 
   micro-batches, `loss = lm_loss + moe.losses.router_loss(config, aux_loss, z_loss)`.
 - `expert_load_cv/<layer>`, `dropped_fraction/<layer>`: `RouterMonitor`'s statistics, as `python -m hf_ppmoe.training`
   logs them.
+- With `router_expert_bias` or `router_aux_loss_scope="global_batch"`, the gates' per-step state is updated after
+  every optimizer step (`BalanceAfterOptimizerStep`, `hf_ppmoe.moe.balance.LoadBalancer`); the bias is saved with the
+  model, the global-batch fractions are not (a resumed run uses its first micro-batch's until one step is done).
 - `no_target_batches`: the micro-batches whose labels have no target token (all -100, or one-token sequences, which a
   causal LM cannot predict). The model gives them a loss of 0 and no gradient, so they neither stop nor poison a run;
   Trainer's `loss` counts them as 0. Counted on the device, as `python -m hf_ppmoe.training` counts them.
@@ -38,9 +41,10 @@ import math
 from contextlib import contextmanager
 
 import torch
-from transformers import Seq2SeqTrainer, Trainer
+from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 
 from ..modeling import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
+from ..moe.balance import LoadBalancer
 from .tracking import RouterMonitor
 
 
@@ -106,6 +110,9 @@ class MoETrainerMixin:
             )
         self.loss_monitor = LossMonitor(self.model, moe_models[0])
         self.router_monitor = RouterMonitor(moe_models[0])
+        self.load_balancer = LoadBalancer(moe_models[0])
+        if self.load_balancer.layers:  # router_expert_bias or the global-batch balance loss
+            self.add_callback(BalanceAfterOptimizerStep(self))
 
     def _moe_metrics(self, prefix: str = "") -> dict[str, float]:
         """What the monitors gathered since they were last collected, over all processes (every process calls this)."""
@@ -131,6 +138,18 @@ class MoETrainerMixin:
             output = super().evaluation_loop(dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
             output.metrics.update(self._moe_metrics(f"{metric_key_prefix}_"))
         return output
+
+
+class BalanceAfterOptimizerStep(TrainerCallback):
+    """After every optimizer step, `LoadBalancer.step` over all processes (`hf_ppmoe.moe.balance`): the expert
+    biases and global-batch balance fractions. A callback, as Trainer announces the optimizer step to callbacks only."""
+
+    def __init__(self, trainer: MoETrainerMixin):
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        trainer = self.trainer
+        trainer.load_balancer.step(lambda t: trainer.accelerator.reduce(t.to(trainer.args.device), reduction="sum"))
 
 
 class MoETrainer(MoETrainerMixin, Trainer):

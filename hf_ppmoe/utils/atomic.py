@@ -20,6 +20,11 @@ after the folder was last changed (its number was reused by a later process); th
 process the writer forked (which inherits it), and is ignored. A folder of another host counts as abandoned only when
 its lock is free. An abandoned folder that cannot be deleted is named in a warning.
 
+SIGTERM (what `timeout`, `kill` and job schedulers send) is handled like SIGINT while a write runs in the main
+thread: the write stops, its temporary folder is deleted (or an old folder moved aside is put back), and the process
+then dies by SIGTERM as it would have; a program's own SIGTERM handler is left alone. SIGKILL leaves the temporary
+folder to the next write, as above.
+
 A write that fails for lack of space raises `OutOfSpaceError` (an OSError with errno ENOSPC, EDQUOT or EFBIG), also
 when the writer reported it without an errno (torch.save: "enforce fail at inline_container.cc ... unexpected pos"):
 after any other OSError or RuntimeError, a 1 MiB write into the temporary folder shows whether the disk is full.
@@ -35,7 +40,9 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import socket
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
@@ -50,6 +57,25 @@ _HOST = re.sub(r"[^A-Za-z0-9.]", "_", socket.gethostname()) or "localhost"
 # .NAME.saving-HOST-PID-TOKEN (a folder being written) and .NAME.replaced-HOST-PID-TOKEN (an old one moved aside)
 _TEMPORARY = re.compile(r"^\.(?P<name>.+)\.(?P<kind>saving|replaced)-(?P<host>[A-Za-z0-9._]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 _OUT_OF_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while an atomic write ran (raised in the main thread, as Ctrl-C raises KeyboardInterrupt)."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated(f"signal {signum} (SIGTERM)")
+
+
+def _sigterm_as_interrupt() -> bool:
+    """While a write runs, SIGTERM (what `timeout`, `kill` and job schedulers send) raises `Terminated` in the main
+    thread as SIGINT raises KeyboardInterrupt, so the temporary folder is deleted on the way out. Installed only in
+    the main thread and where SIGTERM has its default action (a program's own handler, or an outer write's, is left
+    alone); returns whether it was installed here."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    return True
 
 
 class OutOfSpaceError(OSError):
@@ -219,11 +245,12 @@ def _replace(staging: Path, target: Path) -> None:
         aside = _temporary(target, "replaced")
         lock = _Lock(target)  # the old folder is ours until deleted, under either name
         try:
-            os.rename(target, aside)
             try:
+                os.rename(target, aside)
                 os.rename(staging, target)
-            except BaseException:
-                os.rename(aside, target)
+            except BaseException:  # also a signal's exception right after the first rename: put the old one back
+                if os.path.lexists(aside) and not os.path.lexists(target):
+                    os.rename(aside, target)
                 raise
             _fsync_directory(target.parent)
             shutil.rmtree(aside, ignore_errors=True)
@@ -292,6 +319,7 @@ def atomic_folder(
     os.mkdir(staging, 0o700)
     lock = _Lock(staging)
     existed = target.is_dir()
+    installed = _sigterm_as_interrupt()
     try:
         yield staging
         if existed and keep is not None:
@@ -310,6 +338,12 @@ def atomic_folder(
         if inside is not None:  # this process worked in the old folder, which is gone: move to the new one
             os.chdir(target / inside if (target / inside).is_dir() else target)
     except BaseException as error:
+        if installed:  # a second SIGTERM during the clean-up kills at once
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if installed and isinstance(error, Terminated):
+            shutil.rmtree(staging, ignore_errors=True)
+            lock.close()
+            os.kill(os.getpid(), signal.SIGTERM)  # then die by the signal, as without the handler
         code = _out_of_space(error)
         if code is None and isinstance(error, (OSError, RuntimeError)):  # a writer that gives no errno (torch.save)
             code = _disk_full(staging)
@@ -325,6 +359,8 @@ def atomic_folder(
             ) from error
         raise
     finally:
+        if installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         lock.close()
 
 

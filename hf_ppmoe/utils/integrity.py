@@ -118,6 +118,32 @@ def _safetensors_header(path: Path) -> bytes | None:
     return struct.pack("<Q", length) + header if size == 8 + length + end else None
 
 
+def check_complete(path: str | os.PathLike) -> None:
+    """Refuse a safetensors file that is cut short or whose header cannot be read (an interrupted save, copy or
+    download), naming the file and the fix, whether or not its folder has a `checksums.sha256`: safetensors itself
+    says only "invalid header length" and not which file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            length = struct.unpack("<Q", f.read(8))[0] if size >= 8 else None
+            header = f.read(length) if length is not None and length <= size - 8 else None
+        entries = json.loads(header) if header is not None else None
+        end = max((v["data_offsets"][1] for k, v in entries.items() if k != "__metadata__"), default=0)
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read ({err.strerror or err}); check that it exists and is readable.") from err
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        end = None
+    fix = ("Save, copy or download it again (or restore it from a backup); where its folder has "
+           f"{CHECKSUMS_FILE}, `sha256sum -c {CHECKSUMS_FILE}` there shows which files are intact.")
+    if end is None:
+        raise CheckpointError(f"{path} is not a complete safetensors file: its header cannot be read ({size} bytes; "
+                              f"cut short, or not safetensors). {fix}")
+    if size < 8 + length + end:
+        raise CheckpointError(f"{path} is cut short: its header describes {8 + length + end} bytes, the file has "
+                              f"{size} (an interrupted save, copy or download). {fix}")
+
+
 def write_checksums(folder: str | os.PathLike, names: Iterable[str]) -> None:
     """Record the SHA-256 of `names` (files in `folder`), and of the headers of the safetensors files among them, in
     `folder/checksums.sha256`."""
@@ -173,9 +199,11 @@ def verify_checksums(folder: str | os.PathLike, names: Iterable[str]) -> bool:
 
 
 def stored_dtypes(files: Iterable[str | os.PathLike]) -> dict[str, tuple[str, torch.dtype]]:
-    """Tensor name -> (file, dtype) from the headers of safetensors files (no tensor data is read)."""
+    """Tensor name -> (file, dtype) from the headers of safetensors files (no tensor data is read); a file cut short
+    is refused (`check_complete`)."""
     stored = {}
     for file in files:
+        check_complete(file)
         with safe_open(file, framework="pt") as handle:
             for key in handle.keys():
                 code = handle.get_slice(key).get_dtype()

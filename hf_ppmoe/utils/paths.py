@@ -9,7 +9,8 @@ Kinds:
   input_file     an existing readable file (a glob: it matches at least one, every match a file)
   input          an existing file or folder (a config.json or the folder holding it)
   input_folder   an existing folder
-  model          a local folder or, when no such path exists, a Hub repository id (user/name)
+  model          a local folder or, when no such path exists, a Hub repository id (user/name); a path that can only
+                 be local (`./x`, `/x`, `~/x`, `a/b/c`, or `a/b` with a folder `a` here) must exist
   output_folder  a folder or a path that does not exist yet; its nearest existing ancestor a writable folder
   output_file    a file or a path that does not exist yet; its nearest existing ancestor a writable folder
 """
@@ -38,6 +39,15 @@ def _writable_ancestor(path: Path, flag: str) -> str | None:
     return None
 
 
+def _looks_local(value: str) -> bool:
+    """Whether a model path that does not exist can only mean a local folder: `./x`, `../x`, `/x`, `~/x`, or a path
+    whose parent folder exists (`runs/x` with `runs/` here), which a Hub id (user/name) would not be."""
+    if value.startswith((".", "/", "~")) or value.count("/") > 1 or "\\" in value:
+        return True
+    parent = Path(value).parent
+    return parent != Path(".") and parent.is_dir()
+
+
 def path_problem(value: str, kind: str, flag: str) -> str | None:
     """Why `value` is not a path of `kind` (a one-line message naming the flag and the fix), or None if it is."""
     if kind not in KINDS:
@@ -59,7 +69,9 @@ def path_problem(value: str, kind: str, flag: str) -> str | None:
             return f"{flag} {value} is not writable; choose a path you can write to."
         return None
     if kind == "model" and not path.exists():
-        if _HUB_ID.match(value) and "--" not in value and ".." not in value and not value.startswith((".", "/", "~")):
+        if _looks_local(value):  # no Hub look-up for a path the user meant on this machine
+            return f"{flag} {value}: no such folder."
+        if _HUB_ID.match(value) and "--" not in value and ".." not in value:
             return None  # a Hub id: its existence is the loader's question (it may be in the local cache)
         return f"{flag} {value}: no such folder, and not a Hub repository id (user/name)."
     if not path.exists():

@@ -47,7 +47,7 @@ def test_moe_and_dense_sources_point_to_the_right_function(dense):
 def test_corrupt_safetensors_file_is_named(dense, tmp_path, arch):
     src = _copy(dense(arch)[1], tmp_path)
     (src / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    with pytest.raises(ConversionError, match=r"cannot read .*src/model.safetensors.*corrupt"):
+    with pytest.raises(ConversionError, match=r"src/model.safetensors is not a complete safetensors file"):
         upcycle(src, num_experts=4, save_directory=tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
@@ -151,7 +151,7 @@ def test_missing_source_folder(tmp_path):
 
 def test_merge_rejects_other_model_types(dense):
     for arch in ("llama", "t5-v1.0"):
-        with pytest.raises(ConversionError, match="merge_experts reads GPT-MoE and Seq2Seq-MoE checkpoints"):
+        with pytest.raises(ConversionError, match="merge_experts\\) reads GPT-MoE and Seq2Seq-MoE checkpoints"):
             merge_experts(dense(arch)[1])
 
 

@@ -127,8 +127,8 @@ def save_pretrained(root: Path) -> dict:
 
 
 def conversion(root: Path) -> dict:
-    """`hf-ppmoe upcycle --overwrite` run out of space, then killed by SIGTERM between its two renames (as on a
-    filesystem without an atomic exchange of two folders), then converted again."""
+    """`hf-ppmoe upcycle --overwrite` run out of space, then sent SIGTERM between its two renames (as on a filesystem
+    without an atomic exchange of two folders; handled as SIGINT: the old OUT is put back), then converted again."""
     from transformers import AutoModelForCausalLM, GPT2Config
 
     from hf_ppmoe_cli import main as cli
@@ -159,7 +159,11 @@ def conversion(root: Path) -> dict:
     report["signal"] = killed(signal.SIGTERM, lambda: convert(2), target=out, rename_only=True)
     report["out_exists_after_kill"], report["leftovers_after_kill"] = out.is_dir(), len(hidden(root))
     with contextlib.redirect_stderr(io.StringIO()) as stderr:  # the next conversion first puts the old OUT back
-        report["without_overwrite"] = [cli(["upcycle", str(root / "dense"), str(out), "--num_experts", "2"]), stderr.getvalue()[-300:]]
+        try:  # refused: by the flags' check (SystemExit) now that the killed conversion put the old OUT back
+            code = cli(["upcycle", str(root / "dense"), str(out), "--num_experts", "2"])
+        except SystemExit as exit:
+            code = exit.code
+        report["without_overwrite"] = [code, stderr.getvalue()[-300:]]
     report["after_kill"] = loads_as()
     with contextlib.redirect_stderr(io.StringIO()):
         convert(2)
@@ -168,11 +172,11 @@ def conversion(root: Path) -> dict:
 
 
 def checkpoint(root: Path) -> dict:
-    """Training checkpoints (save_checkpoint) run out of space and killed after Accelerate wrote its state."""
+    """Training checkpoints (`Checkpointer.save`) run out of space and killed after Accelerate wrote its state."""
     from accelerate import Accelerator
 
     from hf_ppmoe.training.arguments import TrainArguments
-    from hf_ppmoe.training.train import find_checkpoint, save_checkpoint
+    from hf_ppmoe.training.checkpoints import Checkpointer, find_checkpoint
 
     accelerator = Accelerator(cpu=True)
     model = GPTMoEForCausalLM(tiny_gpt_config())
@@ -184,17 +188,17 @@ def checkpoint(root: Path) -> dict:
     folder = root / "run" / "checkpoints"
     listing = lambda: sorted(p.name for p in folder.iterdir())  # noqa: E731
     record = {"run_id": "scenario"}  # what the checkpoint records of its run (hf_ppmoe.training.checkpoints)
+    checkpointer = Checkpointer(accelerator, args.output_dir, record)
 
-    save_checkpoint(accelerator, args, 2, record)
-    report = {"full_disk_error": out_of_space(lambda: save_checkpoint(accelerator, args, 4, record)),
-              "after_full_disk": listing()}
-    report["signal"] = killed(signal.SIGKILL, lambda: save_checkpoint(accelerator, args, 4, record),
+    checkpointer.save(2)
+    report = {"full_disk_error": out_of_space(lambda: checkpointer.save(4)), "after_full_disk": listing()}
+    report["signal"] = killed(signal.SIGKILL, lambda: checkpointer.save(4),
                               after=(accelerator, "save_state"))
     report["after_kill"] = listing()
     latest = find_checkpoint(args)
     accelerator.load_state(str(latest))
     report["resumes_from"] = latest.name
-    save_checkpoint(accelerator, args, 6, record)  # a later save, as the resumed run makes
+    checkpointer.save(6)  # a later save, as the resumed run makes
     report["after_next_save"] = listing()
     return report
 

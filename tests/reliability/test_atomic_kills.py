@@ -105,6 +105,10 @@ def test_killed_replacement_leaves_old_or_new_and_the_next_write_cleans_up(tmp_p
     result = _child(target, step, sig, mode)
     assert result.returncode == -getattr(signal, sig), result.stderr  # really killed by that signal
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "out"]
+    if sig == "SIGTERM" and step != "swapped":  # handled as SIGINT: the write cleans up, then the process dies
+        assert leftovers == [] and _contents(target) == {"weights": "old", "config": "old"}, leftovers
+        return
+    # SIGKILL (and, here, the test's second SIGTERM inside the clean-up's rmtree) leaves the temporary folder
     assert leftovers, "a kill in the middle of a write leaves its temporary folder"  # (what the next write removes)
     if step == "aside":
         assert not target.exists()  # the one state the two-rename path can leave: only the aside folder

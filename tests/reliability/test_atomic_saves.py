@@ -54,9 +54,10 @@ def test_conversion_with_overwrite(reports):
     _out_of_space(report["full_disk_error"], "moe")
     assert report["after_full_disk"] == "4 experts, equal logits" and report["leftovers_after_full_disk"] == []
     assert report["cli_exit_code"] == 1 and "hf-ppmoe upcycle: error: [Errno 27] Not enough space" in report["cli_full_disk"][1]
-    # SIGTERM between the two renames (old OUT aside, new not yet in place): only hidden folders are left ...
-    assert report["signal"] == "SIGTERM" and not report["out_exists_after_kill"] and report["leftovers_after_kill"] == 2
-    # ... and the next conversion puts the old OUT back before anything else (so it refuses to overwrite it)
+    # SIGTERM between the two renames (old OUT aside, new not yet in place), handled as SIGINT: the old OUT is put
+    # back, the temporary folder deleted, and the process dies by SIGTERM ...
+    assert report["signal"] == "SIGTERM" and report["out_exists_after_kill"] and report["leftovers_after_kill"] == 0
+    # ... so the next conversion finds the old OUT (and refuses to overwrite it)
     assert report["without_overwrite"][0] == 2 and "already exists" in report["without_overwrite"][1]
     assert report["after_kill"] == "4 experts, equal logits"
     assert report["after_next_conversion"] == "2 experts, equal logits" and report["leftovers_after_next_conversion"] == []

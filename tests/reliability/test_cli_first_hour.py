@@ -27,7 +27,8 @@ def _refusal(capsys, argv) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err and len(err.splitlines()) <= 2, err
     line = err.splitlines()[-1]
-    assert line.startswith(f"hf-ppmoe {argv[0]}: error: "), err
+    prog = " ".join(argv[:2]) if argv[0] == "megatron" else argv[0]  # hf-ppmoe megatron to-megatron: error: ...
+    assert line.startswith(f"hf-ppmoe {prog}: error: "), err
     return line
 
 
@@ -118,3 +119,105 @@ def test_shard_sizes_that_are_read(size, expected):
     for bad in ("LOTS", "-1GB", "0", "GB", "infGB"):
         with pytest.raises(ValueError, match="give a size such as"):
             parse_size(bad)
+
+
+# ---- issue 38: every command's realistic mistakes, in the command's own words (flags, commands, defaults) ----
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny dense GPT-2 and its 4-expert upcycle; copies with their weights cut short: the MoE without its
+    checksums.sha256 and with it, and the dense model (which has none)."""
+    import shutil
+
+    from hf_ppmoe.conversion import upcycle
+
+    root = tmp_path_factory.mktemp("mistakes")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(root / "dense")
+    upcycle(root / "dense", num_experts=4, save_directory=root / "moe")
+    for name, keep_checksums in (("cut", False), ("cut-checked", True), ("dense-cut", True)):
+        shutil.copytree(root / ("dense" if name == "dense-cut" else "moe"), root / name)
+        if not keep_checksums and (root / name / "checksums.sha256").exists():
+            (root / name / "checksums.sha256").unlink()
+        with open(root / name / "model.safetensors", "r+b") as f:
+            f.truncate(4000)
+    return root
+
+
+def _mistakes(t):
+    """(argv, words the error line must hold, words it must not) for every command."""
+    dense, moe, out = str(t / "dense"), str(t / "moe"), str(t / "out")
+    return [
+        (["merge", moe, out, "--method", "average"], ["--method", "invalid choice: 'average'", "mean"], []),
+        (["merge", dense, out], ["'gpt2' model", "hf-ppmoe import"], []),
+        (["merge", moe, out, "--method", "usage"], ["--method usage needs --sample_file"], ["sample_texts"]),
+        (["upcycle", dense, out, "--router_init", "hidden"], ["--router_init hidden needs --sample_file"], ["sample_texts"]),
+        (["upcycle", dense, out, "--router_init", "learned"], ["--router_init", "invalid choice"], []),
+        (["upcycle", dense, out, "--num_experts", "1"], ["--num_experts 1", "at least 2"], ["num_experts_per_tok=2"]),
+        (["upcycle", dense, out, "--moe_layer_frequency", "0"], ["moe_layer_frequency"], []),
+        (["upcycle", "./no-such-model", out], ["SRC ./no-such-model: no such folder."], ["Hub"]),
+        (["upcycle", str(t / "dense-typo"), out], ["no such folder."], ["Hub"]),
+        (["upcycle", str(t / "dense" / "typo"), out], ["no such folder."], ["Hub"]),
+        (["import", dense, out], ["gpt2"], ["Traceback"]),
+        (["export", moe, out, "--to", "llama"], ["--to", "invalid choice: 'llama'"], []),
+        (["merge", str(t / "cut"), out], ["model.safetensors is cut short", "again"], []),
+        (["merge", str(t / "cut-checked"), out], ["model.safetensors", "again"], []),
+        (["upcycle", str(t / "dense-cut"), out], ["model.safetensors is cut short", "again"], []),
+        (["train", "--max_steps", "ten"], ["--max_steps", "invalid int value"], []),
+        (["train", "--upcycle_from", dense, "--num_experts", "1"], ["--num_experts_per_tok 2 (the default)", "--num_experts 1"], []),
+        (["train", "--model_name_or_path", str(t / "runs" / "typo")], ["--model_name_or_path", "no such folder."], ["Hub"]),
+        (["demo", "--num_experts", "0"], ["--num_experts must be >= 1"], []),
+        (["megatron", "to-megatron", moe, out, "--tp", "0"], ["--tp 0"], []),
+    ]
+
+
+def test_every_command_refuses_its_realistic_mistakes_in_one_line(folders, capsys, monkeypatch):
+    import huggingface_hub
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("a local-looking path must not be looked up on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_hub)
+    commands = set()
+    for argv, words, absent in _mistakes(folders):
+        line = _refusal(capsys, argv)
+        assert all(w in line for w in words) and not any(w in line for w in absent), (argv, line)
+        commands.add(argv[0])
+    assert commands == {"upcycle", "merge", "import", "export", "train", "demo", "megatron"}
+    assert not (folders / "out").exists()
+
+
+def test_a_relative_path_under_an_existing_folder_is_local(folders, capsys, monkeypatch):
+    monkeypatch.chdir(folders)  # `dense/typo`: the folder dense/ is here, so no Hub id is meant
+    line = _refusal(capsys, ["upcycle", "dense/typo", "out"])
+    assert line.endswith("SRC dense/typo: no such folder."), line
+
+
+def test_a_cut_short_weight_file_is_named_when_loading(folders):
+    from transformers import AutoModelForCausalLM
+
+    from hf_ppmoe.utils.integrity import CheckpointError
+
+    for name in ("cut", "cut-checked"):
+        with pytest.raises(CheckpointError, match=r"model\.safetensors .*again"):
+            AutoModelForCausalLM.from_pretrained(folders / name)
+
+
+def test_upcycle_help_states_the_layer_frequency_default(capsys):
+    with pytest.raises(SystemExit):
+        main(["upcycle", "--help"])
+    assert "default 2" in " ".join(capsys.readouterr().out.split())
+
+
+def test_one_expert_and_beams_beyond_the_vocabulary_are_warned(folders):
+    import torch
+
+    from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
+    from hf_ppmoe.conversion import upcycle
+
+    with pytest.warns(UserWarning, match="num_experts=1"):
+        upcycle(folders / "dense", num_experts=1, num_experts_per_tok=1)
+    model = GPTMoEForCausalLM(GPTMoEConfig(vocab_size=8, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                           num_attention_heads=2, num_experts=2, moe_layer_frequency=1)).eval()
+    with pytest.warns(UserWarning, match="num_beams=12 is more than the vocabulary"):
+        model.generate(torch.tensor([[1, 2]]), num_beams=12, max_new_tokens=1, do_sample=False)

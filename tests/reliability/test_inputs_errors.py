@@ -13,7 +13,7 @@ from helpers import GPT2_STYLE, tiny_gpt_config, tiny_seq2seq_config
 from hf_ppmoe import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from hf_ppmoe_cli import main as cli
 from hf_ppmoe.conversion import merge_experts, upcycle
-from hf_ppmoe.conversion.megatron_checkpoint import ConversionError, checkpoint_args, load_megatron_checkpoint, save_megatron_checkpoint, to_megatron
+from hf_ppmoe.megatron.weights import ConversionError, checkpoint_args, load_megatron_checkpoint, save_megatron_checkpoint, to_megatron
 from hf_ppmoe.generation import flat_beam_search
 
 

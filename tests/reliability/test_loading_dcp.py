@@ -11,7 +11,7 @@ from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
 from hf_ppmoe.parallel.checkpoint import UntrustedCheckpointError
-from hf_ppmoe.training.train import load_sharded, sharded_state
+from hf_ppmoe.training.checkpoints import load_sharded, sharded_state
 
 
 class Payload:

@@ -87,3 +87,14 @@ def test_models_einsum_experts_keep_a_non_finite_input_in_its_token(capacity_fac
         assert torch.isnan(out).any(-1).tolist() == [False, False, True, False, True, False]
     finite = torch.tensor([0, 1, 3, 5])
     torch.testing.assert_close(outputs["einsum"][finite], outputs["index"][finite])
+
+
+def test_model_outputs_are_not_views():
+    """Issue 38: FSDP2 warns (every step) when a wrapped model returns a view, on which an in-place op would skip its
+    all-gather; the router losses were `unbind` views of one stacked mean."""
+    ids = torch.randint(3, 50, (2, 8))
+    outputs = [GPTMoEForCausalLM(tiny_gpt_config())(ids, labels=ids),
+               Seq2SeqMoEForConditionalGeneration(tiny_seq2seq_config())(ids, labels=ids)]
+    for out in outputs:
+        views = [name for name, value in out.items() if torch.is_tensor(value) and value._base is not None]
+        assert views == [], views

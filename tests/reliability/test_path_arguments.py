@@ -49,7 +49,11 @@ def _cases(t):
         (["train", "--output_dir", out, "--train_file", missing], ["--train_file", "no such file"]),
         (["train", "--output_dir", out, "--train_file", str(t / "*.jsonl")], ["--train_file", "no file matches"]),
         (["train", "--output_dir", out, "--model_name_or_path", file], ["--model_name_or_path", "is a file"]),
-        (["train", "--output_dir", out, "--model_name_or_path", "./nope"], ["--model_name_or_path", "not a Hub"]),
+        (["train", "--output_dir", out, "--model_name_or_path", "./nope"], ["--model_name_or_path ./nope: no such folder."]),
+        (["train", "--output_dir", out, "--model_name_or_path", "a/b/c"], ["--model_name_or_path a/b/c: no such folder."]),
+        # a path under an existing folder is local, not a Hub id (user/name): no Hub look-up
+        (["train", "--output_dir", out, "--model_name_or_path", str(t / "x")], [f"{t / 'x'}: no such folder."]),
+        (["upcycle", str(t / "model" / "typo"), out], ["SRC", "typo: no such folder."]),
         (["train", "--output_dir", out, "--tokenizer_name", file], ["--tokenizer_name", "is a file"]),
         (["train", "--output_dir", out, "--resume", file], ["--resume", "is a file"]),
         (["megatron", "to-megatron", missing, out], ["SRC", "no such folder"]),

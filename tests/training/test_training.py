@@ -437,14 +437,14 @@ def test_errors_that_need_the_model_config(monkeypatch):
         TrainArguments(pp_size=3, block_size=32).check_model(GPTMoEConfig(num_hidden_layers=2))
     from types import SimpleNamespace
 
-    from hf_ppmoe.training.train import DataParallel
+    from hf_ppmoe.training.parallel_setup import DataParallelGroup
 
     with pytest.raises(ValueError, match="--tp_size 2 needs a multiple of 2 processes; this job has 3"):
-        DataParallel(SimpleNamespace(process_index=0, num_processes=3), tp_size=2)
+        DataParallelGroup(SimpleNamespace(process_index=0, num_processes=3), tp_size=2)
     with pytest.raises(ValueError, match="--pp_size 2 with --tp_size 2 needs a multiple of 4 processes; this job has 6"):
-        DataParallel(SimpleNamespace(process_index=0, num_processes=6), tp_size=2, pp_size=2)
+        DataParallelGroup(SimpleNamespace(process_index=0, num_processes=6), tp_size=2, pp_size=2)
     with pytest.raises(ValueError, match="--fsdp_size 4 with --tp_size 2 needs a multiple of 8 processes; this job has 4"):
-        DataParallel(SimpleNamespace(process_index=0, num_processes=4), tp_size=2, fsdp_size=4)
+        DataParallelGroup(SimpleNamespace(process_index=0, num_processes=4), tp_size=2, fsdp_size=4)
     with pytest.raises(ValueError, match="--ep_size 8 does not divide num_experts=6"):
         TrainArguments(ep_size=8, fsdp_size=8).check_model(GPTMoEConfig(num_experts=6))
     with pytest.raises(ValueError, match="--ep_size 2 splits experts; this gpt2 model has none"):

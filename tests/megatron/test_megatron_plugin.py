@@ -14,7 +14,7 @@ from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
 from hf_ppmoe.moe.losses import router_loss
-from hf_ppmoe.parallel.megatron_plugin import (
+from hf_ppmoe.megatron.plugin import (
     megatron_batch,
     megatron_incompatibilities,
     megatron_lm_args,

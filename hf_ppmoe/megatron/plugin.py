@@ -2,9 +2,9 @@
 
 Accelerate reads only the Transformers model's config and builds a fresh megatron-core `GPTModel` (local layer spec,
 experts on the tensor-parallel group: the PPMoE layout); weights travel through
-`hf_ppmoe.conversion.megatron_checkpoint`. Needs CUDA and a Megatron-LM source checkout on PYTHONPATH:
+`hf_ppmoe.megatron.weights`. Needs CUDA and a Megatron-LM source checkout on PYTHONPATH:
 
-    import hf_ppmoe.parallel.megatron_plugin as hm              # also registers the "gpt_moe" config parser
+    import hf_ppmoe.megatron.plugin as hm                     # also registers the "gpt_moe" config parser
     plugin = MegatronLMPlugin(tp_degree=2, pp_degree=2, context_parallel_size=1, num_micro_batches=4,
                               custom_model_provider_function=hm.model_provider(model.config),
                               custom_train_step_class=hm.GPTMoETrainStep,
@@ -78,6 +78,23 @@ def megatron_incompatibilities(config) -> list[str]:
             f"router_num_groups={config.router_num_groups}: our load-balancing loss is per group, Megatron's per "
             "micro-batch; use router_num_groups=1."
         )
+    sigmoid = getattr(config, "router_score_function", "softmax") == "sigmoid"
+    groups, k = getattr(config, "num_expert_groups", 1), config.num_experts_per_tok
+    topk_groups = getattr(config, "topk_expert_groups", None) or groups
+    for wrong, message in (
+        (sigmoid and k > 1 and not config.norm_topk_prob, "router_score_function='sigmoid' with norm_topk_prob=False: "
+         "Megatron renormalises sigmoid top-k weights; use norm_topk_prob=True"),
+        (getattr(config, "router_expert_bias", False) and not sigmoid, "router_expert_bias=True with softmax scores: "
+         "Megatron's expert bias needs router_score_function='sigmoid'"),
+        (groups > 1 and k // topk_groups != 2, f"num_expert_groups={groups} with num_experts_per_tok // "
+         f"topk_expert_groups = {k // topk_groups}: Megatron scores a group by its top k / topk_groups experts, ours by "
+         "its top 2"),
+        (getattr(config, "router_aux_loss_scope", "micro_batch") != "micro_batch", "router_aux_loss_scope="
+         f"{getattr(config, 'router_aux_loss_scope', None)!r}: Megatron's seq/global aux losses are computed otherwise "
+         "(its global one from a running sum within the step); use 'micro_batch'"),
+    ):
+        if has_moe and wrong:
+            problems.append(message + ".")
     if has_moe and config.router_jitter_noise > 0:
         problems.append(
             f"router_jitter_noise={config.router_jitter_noise}: Megatron's moe_input_jitter_eps also jitters at "
@@ -164,7 +181,14 @@ def transformer_config_kwargs(config, *, tp: int = 1, pp: int = 1) -> dict:
             moe_router_topk=config.num_experts_per_tok,
             moe_layer_freq=pattern,
             moe_router_pre_softmax=pre_softmax,
-            moe_router_score_function="softmax",
+            moe_router_score_function=getattr(config, "router_score_function", "softmax"),
+            moe_router_enable_expert_bias=getattr(config, "router_expert_bias", False),
+            moe_router_bias_update_rate=getattr(config, "router_bias_update_rate", 0.001),
+            moe_router_topk_scaling_factor=(getattr(config, "routed_scaling_factor", 1.0) if getattr(
+                config, "routed_scaling_factor", 1.0) != 1.0 else None),
+            moe_router_num_groups=getattr(config, "num_expert_groups", 1) if getattr(config, "num_expert_groups", 1) > 1 else None,
+            moe_router_group_topk=(getattr(config, "topk_expert_groups", None) or getattr(config, "num_expert_groups", 1))
+            if getattr(config, "num_expert_groups", 1) > 1 else None,
             moe_router_dtype="fp32",  # our softmax is float32 (and with router_dtype="float32" the router GEMM too)
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=config.router_aux_loss_coef / num_moe,

@@ -4,7 +4,7 @@ TP = 1 (DP = 2).
 
 Every test body runs on 2 CPU processes (gloo) in one launch of its own (tests/distributed.py, group "megatron"), so
 the CPU patches of megatron_cpu.py stay in those processes; importing megatron-core costs ~20 s per process. Weights
-reach Megatron through `hf_ppmoe.conversion.megatron_checkpoint` (strict `load_state_dict`, so names and shapes must
+reach Megatron through `hf_ppmoe.megatron.weights` (strict `load_state_dict`, so names and shapes must
 be exactly what megatron-core builds) and come back through it. Differences are float32's: below 2e-7 measured.
 """
 
@@ -108,14 +108,14 @@ def ranks():
 def build(cfg, divisible_by=128):
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.parallel.megatron_plugin import model_provider
+    from hf_ppmoe.megatron.plugin import model_provider
 
     provider = model_provider(cfg, make_vocab_size_divisible_by=divisible_by, use_cpu_initialization=True)
     return provider(pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
 
 
 def load(model, hf_state_dict, cfg, divisible_by=128):
-    from hf_ppmoe.conversion.megatron_checkpoint import to_megatron
+    from hf_ppmoe.megatron.weights import to_megatron
 
     tp, pp = model.config.tensor_model_parallel_size, model.config.pipeline_model_parallel_size
     shards = to_megatron(hf_state_dict, cfg, tp=tp, pp=pp, make_vocab_size_divisible_by=divisible_by)
@@ -184,7 +184,7 @@ def finish_grads(model):
 def test_logits_both_ways(layout, name):
     """Our weights in Megatron's model: Megatron's logits = ours. Megatron's own (random) weights converted to our
     model: our logits = Megatron's."""
-    from hf_ppmoe.conversion.megatron_checkpoint import from_megatron
+    from hf_ppmoe.megatron.weights import from_megatron
 
     initialize(layout)
     cfg = config(name)
@@ -212,7 +212,7 @@ def test_megatron_lm_loads_the_converted_checkpoint():
     strict load_state_dict; then the logits are ours."""
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.conversion.megatron_checkpoint import checkpoint_args, save_megatron_checkpoint, to_megatron
+    from hf_ppmoe.megatron.weights import checkpoint_args, save_megatron_checkpoint, to_megatron
 
     initialize("tp2")
     cfg = config("llama")
@@ -237,7 +237,7 @@ def test_padded_evaluation_loss():
     ignored."""
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.parallel.megatron_plugin import GPTMoETrainStep
+    from hf_ppmoe.megatron.plugin import GPTMoETrainStep
 
     initialize("tp2")
     cfg = config("llama", vocab_size=96)
@@ -266,9 +266,9 @@ def test_train_step_gradients_and_losses(layout, name):
     earlier stages' router losses and reports the LM loss only)."""
     from megatron.core import parallel_state as ps
 
-    from hf_ppmoe.conversion.megatron_checkpoint import to_megatron
+    from hf_ppmoe.megatron.weights import to_megatron
     from hf_ppmoe.moe.losses import router_loss
-    from hf_ppmoe.parallel.megatron_plugin import GPTMoETrainStep
+    from hf_ppmoe.megatron.plugin import GPTMoETrainStep
 
     initialize(layout)
     cfg = config(name, vocab_size=96)  # no vocabulary padding: padded logits would join Megatron's softmax

@@ -18,7 +18,7 @@ from accelerate.utils import MegatronLMDummyScheduler, MegatronLMPlugin
 from torch.utils.data import DataLoader
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.parallel.megatron_plugin import GPTMoETrainStep, model_provider
+from hf_ppmoe.megatron.plugin import GPTMoETrainStep, model_provider
 
 
 def main(work: str) -> None:

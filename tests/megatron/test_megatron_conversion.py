@@ -1,4 +1,4 @@
-"""HF <-> Megatron-LM checkpoints (hf_ppmoe.conversion.megatron_checkpoint): bit-exact round trips for TP and PP shardings, the
+"""HF <-> Megatron-LM checkpoints (hf_ppmoe.megatron.weights): bit-exact round trips for TP and PP shardings, the
 on-disk layout Megatron-LM's loader expects, tensor layouts, and clear errors. Needs no megatron-core (its model
 built from these files is tested against ours in test_megatron_model.py)."""
 
@@ -11,8 +11,8 @@ import torch
 from helpers import GPT2_STYLE, tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.conversion.commands import megatron_main as main
-from hf_ppmoe.conversion.megatron_checkpoint import (
+from hf_ppmoe.megatron.__main__ import megatron_main as main
+from hf_ppmoe.megatron.weights import (
     ConversionError,
     InterleaveQKV,
     checkpoint_args,

@@ -1,7 +1,7 @@
 """GPT-MoE checkpoints <-> Megatron-LM checkpoints of the megatron-core GPTModel that
-`hf_ppmoe.parallel.megatron_plugin` builds (experts on the tensor-parallel group). Needs torch only.
+`hf_ppmoe.megatron.plugin` builds (experts on the tensor-parallel group). Needs torch only.
 
-Both directions are `mapping.py` tables and ops (`rules`, `SHARDING`), so the round trip is bit-exact. On disk:
+Both directions are `conversion/mapping.py` tables and ops (`rules`, `SHARDING`), so the round trip is bit-exact. On disk:
 Megatron-LM's legacy "torch" format (`release/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt`), written through a
 temporary folder renamed into place. Name and layout tables: docs/megatron.md. Command line:
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..utils.atomic import atomic_folder
-from .mapping import (
+from ..conversion.mapping import (
     Concat,
     ConversionError,
     Copies,
@@ -74,6 +74,8 @@ def rules(config, padded_vocab: int) -> list[Rule]:
             table += _mlp_rules(f"{hf}mlp.", f"{mc}mlp.", config)
             continue
         table.append(rename(f"{hf}mlp.gate.weight", f"{mc}mlp.router.weight"))
+        if getattr(config, "router_expert_bias", False):  # Megatron-core's TopKRouter buffer of the same meaning
+            table.append(rename(f"{hf}mlp.gate.expert_bias", f"{mc}mlp.router.expert_bias"))
         experts, local = f"{hf}mlp.experts.", f"{mc}mlp.experts.local_experts.{{e}}."
         fc1 = "gate_up_proj" if config.gated_mlp else "up_proj"
         per_expert = Unstack()  # our [E, out, in] -> one nn.Linear [out, in] per expert
@@ -286,7 +288,7 @@ def unshard(shards: dict[tuple[int, int], dict], config, *, tp: int, pp: int) ->
 
 def to_megatron(state_dict: dict, config, *, tp: int = 1, pp: int = 1, make_vocab_size_divisible_by: int = 128):
     """Our state dict -> {(tp_rank, pp_rank): megatron-core GPTModel state dict} for a TP x PP layout."""
-    from ..parallel.megatron_plugin import check_megatron_compatible, padded_vocab_size
+    from .plugin import check_megatron_compatible, padded_vocab_size
 
     check_megatron_compatible(config)
     padded = padded_vocab_size(config.vocab_size, tp, make_vocab_size_divisible_by)
@@ -310,7 +312,7 @@ def rank_dir(tp_rank: int, pp_rank: int, *, pp: int, ep: int) -> str:
 
 def checkpoint_args(config, *, tp: int, pp: int, make_vocab_size_divisible_by: int = 128) -> dict:
     """The `args` stored with the weights: what Megatron-LM's checkpoint checks and --use-checkpoint-args read."""
-    from ..parallel.megatron_plugin import megatron_lm_args, padded_vocab_size
+    from .plugin import megatron_lm_args, padded_vocab_size
 
     args = megatron_lm_args(config, tp=tp, pp=pp)
     args.setdefault("expert_model_parallel_size", 1)
@@ -409,7 +411,7 @@ def load_megatron_checkpoint(directory, *, weights_only: bool = True) -> tuple[d
 
 
 def _check_args(args, config, tp: int, pp: int) -> None:
-    from ..parallel.megatron_plugin import megatron_lm_args
+    from .plugin import megatron_lm_args
 
     expected = megatron_lm_args(config, tp=tp, pp=pp)
     keys = (

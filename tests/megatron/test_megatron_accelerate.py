@@ -17,7 +17,7 @@ import torch
 from helpers import tiny_gpt_config
 
 from hf_ppmoe import GPTMoEForCausalLM
-from hf_ppmoe.conversion.megatron_checkpoint import convert_hf_to_megatron, convert_megatron_to_hf
+from hf_ppmoe.megatron.weights import convert_hf_to_megatron, convert_megatron_to_hf
 
 
 def _missing() -> list[str]:

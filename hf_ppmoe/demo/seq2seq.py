@@ -13,18 +13,60 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import statistics
 from pathlib import Path
 
 from ..modeling import Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
-from .data import train_tokenizer
-from .demo_runs import Clock, data_order_seeds, median_tokens_per_second, records, train_run, write_jsonl
-from .stdlib_task import EVALUATION_FILES, stdlib_pairs
-from .tracking import _mean, _pyplot, _save, _smooth, curve, read_jsonl
+from ..training.arguments import TrainArguments
+from ..training.data import train_tokenizer
+from ..training.stdlib_task import EVALUATION_FILES, stdlib_pairs
+from ..training.tracking import curve, read_jsonl
+from ..training.train import main as train
+from .plots import mean_curve, moving_average, pyplot, save
+from .runs import Clock
 
+QUICK = dict(finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2, num_experts=4,
+             num_beams=2, evaluations=2, eval_pairs=4)
 MODELS = ("moe", "dense-active", "dense")  # the MoE, dense at its active parameters, dense at its width
 NAMES = {"moe": "MoE", "dense-active": "dense, equal active parameters", "dense": "dense, one expert wide"}
+
+
+def data_order_seeds(args) -> list[int]:
+    """The seeds of the compared runs (--seeds of them, from --seed + 1)."""
+    return [args.seed + 1 + i for i in range(args.seeds)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def train_run(args, root: Path, out: str, steps: int, seed: int, logging_steps: int, **options) -> dict:
+    """Train with `hf_ppmoe.training.main` into root/out on root/data/{train,held-out}.jsonl and root/tokenizer, with
+    the demo's batch size, learning rate, warm-up and evaluations (`options`: the model and the task's arguments);
+    returns the final metrics."""
+    return train(
+        TrainArguments(
+            output_dir=str(root / out), tokenizer_name=str(root / "tokenizer"), max_steps=steps,
+            train_file=[str(root / "data" / "train.jsonl")], validation_file=[str(root / "data" / "held-out.jsonl")],
+            per_device_train_batch_size=args.batch_size, learning_rate=args.learning_rate,
+            warmup_steps=max(1, steps // 10), eval_steps=max(1, steps // args.evaluations), eval_batches=0, seed=seed,
+            logging_steps=logging_steps, plots=False, **options,
+        )
+    )
+
+
+def records(root: Path, run: str) -> list[dict]:
+    """The metrics the run root/run logged."""
+    return read_jsonl(root / run / "logs" / "metrics.jsonl")
+
+
+def median_tokens_per_second(runs: list[list[dict]]) -> float:
+    """Median over every step but each run's first (which includes start-up) of the logged tokens/s."""
+    return statistics.median(v for r in runs for v in curve(r, "train/tokens_per_second")[1][1:])
 
 
 def _config(args, tokenizer, name: str) -> Seq2SeqMoEConfig:
@@ -52,25 +94,27 @@ def _verdict(name: str, diffs: list[float], unit: str, higher_is_better: bool) -
 
 
 def _plot(logs: dict[str, list[list[dict]]], path: Path) -> None:
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for (name, seeds), color in zip(logs.items(), ("tab:red", "tab:blue", "tab:gray")):
         steps = curve(seeds[0], "train/lm_loss")[0]
-        axes[0].plot(steps, _smooth(_mean([curve(r, "train/lm_loss")[1] for r in seeds]), 10), color=color, label=NAMES[name])
+        axes[0].plot(steps, moving_average(mean_curve([curve(r, "train/lm_loss")[1] for r in seeds]), 10), color=color, label=NAMES[name])
         points = curve(seeds[0], "eval/loss")[0]
-        axes[0].plot(points, _mean([curve(r, "eval/loss")[1] for r in seeds]), color=color, marker="o", linestyle="--")
-        axes[1].plot(steps, _smooth(_mean([curve(r, "train/tokens_per_second")[1] for r in seeds]), 10), color=color,
+        axes[0].plot(points, mean_curve([curve(r, "eval/loss")[1] for r in seeds]), color=color, marker="o", linestyle="--")
+        axes[1].plot(steps, moving_average(mean_curve([curve(r, "train/tokens_per_second")[1] for r in seeds]), 10), color=color,
                      label=NAMES[name])
     axes[0].set(title=f"LM loss (train, 10-step mean; held-out, dots; mean of {len(seeds)} seeds)", xlabel="step",
                 ylabel="cross-entropy (nats per target token)")
     axes[1].set(title="tokens/s (CPU proxy)", xlabel="step")
     axes[0].legend()
-    _save(fig, path)
+    save(fig, path)
 
 
 def run_seq2seq_demo(args) -> Path:
     """The seq2seq demo with `DemoArguments` (steps: --finetune_steps; sizes: --hidden_size, --num_layers,
     --num_experts, --num_experts_per_tok; --seeds, --batch_size, --num_beams, --evaluations)."""
+    if args.quick:
+        args = dataclasses.replace(args, **QUICK)
     root = Path(args.output_dir)
     (root / "data").mkdir(parents=True, exist_ok=True)
     clock = Clock()
