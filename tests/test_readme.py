@@ -118,7 +118,9 @@ def test_snippets_are_found():
     assert [skip is not None for _, _, skip in found[:2]] == [True, True]  # the two commands: demo, tests
 
 
-def test_readme_snippets_run_in_order(tmp_path):
+def run_snippets(page: Path, tmp_path: Path) -> Path:
+    """Run the page's ```bash and ```python snippets in order, each in its own process, in one empty folder
+    (`tmp_path/work`, returned), the prepared-data cache kept in `tmp_path/cache`; skipped snippets are not run."""
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # hf-ppmoe of this Python
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
@@ -127,10 +129,15 @@ def test_readme_snippets_run_in_order(tmp_path):
     env.setdefault("OMP_NUM_THREADS", "1")
     work = tmp_path / "work"
     work.mkdir()
-    for n, (lang, code, skip) in enumerate(snippets(README.read_text(encoding="utf-8"))):
-        if skip is not None:
+    for n, (lang, code, skip) in enumerate(snippets(page.read_text(encoding="utf-8"))):
+        if skip is not None or lang not in ("bash", "python"):
             continue
         command = [sys.executable, "-c", code] if lang == "python" else ["bash", "-euo", "pipefail", "-c", code]
         done = subprocess.run(command, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"README snippet {n} ({lang}) failed:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        assert done.returncode == 0, f"{page.name} snippet {n} ({lang}) failed:\n{code}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return work
+
+
+def test_readme_snippets_run_in_order(tmp_path):
+    work = run_snippets(README, tmp_path)
     assert (work / "runs" / "moe" / "checkpoints").is_dir()  # the resume line had a checkpoint to find

@@ -76,13 +76,16 @@ def test_errors_are_reported_not_raised(dense, tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
-def test_real_command_shows_progress(dense, tmp_path):
+def test_real_command_prints_no_progress_bar_for_a_tiny_conversion(dense, tmp_path):
+    """Issue 38: progress bars only where a write takes long enough to watch (ours appears after 3 s; Transformers'
+    per-shard loading and writing bars are off in conversions)."""
     model, folder = dense("mistral")
     env = dict(os.environ, OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "hf_ppmoe_cli", "upcycle", str(folder), str(tmp_path / "moe"), "--num_experts", "2"]
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert "writing tensors: 100%" in result.stderr and f"wrote {tmp_path / 'moe'}" in result.stdout
+    assert f"wrote {tmp_path / 'moe'}" in result.stdout
+    assert not any(bar in result.stderr for bar in ("writing tensors", "Loading weights", "Writing model shards")), result.stderr
     assert_same_outputs(model, GPTMoEForCausalLM.from_pretrained(tmp_path / "moe"))
 
 

@@ -98,9 +98,10 @@ def upcycled(tmp_path_factory):
 
 
 def test_inputs_merge_usage_without_texts_says_so_before_loading(upcycled, tmp_path, capsys):
-    assert cli(["merge", str(upcycled), str(tmp_path / "dense"), "--method", "usage"]) == 2
+    with pytest.raises(SystemExit) as exit:  # refused with the flags, before the model is read
+        cli(["merge", str(upcycled), str(tmp_path / "dense"), "--method", "usage"])
     error = capsys.readouterr().err
-    assert "method='usage' needs sample_texts" in error and "--sample_file" in error, error
+    assert exit.value.code == 2 and "--method usage needs --sample_file" in error, error
     assert not (tmp_path / "dense").exists()
 
 
