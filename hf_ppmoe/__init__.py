@@ -60,33 +60,6 @@ def _register_plan_styles() -> None:
         from . import parallel  # noqa: F401  registers "ppmoe_ffn", ... with Transformers' tensor parallelism
 
 
-def _register_by_name() -> bool:
-    """Teach the Auto classes our model types the way they know Transformers' own: names, resolved on first use
-    through this module's `__getattr__`. Uses the lazy mappings' tables (transformers.models.auto); returns False
-    where they are not as expected, and the caller registers the classes themselves (the public `register` API)."""
-    from transformers.models.auto import configuration_auto, modeling_auto
-
-    mappings = {name: getattr(modeling_auto, name)._model_mapping
-                for name in ("AutoModel", "AutoModelForCausalLM", "AutoModelForSeq2SeqLM")}
-    config_mapping = configuration_auto.CONFIG_MAPPING
-    tables = [config_mapping, *mappings.values()]
-    if not all(hasattr(t, "_modules") for t in tables) or not hasattr(config_mapping, "_mapping") or not all(
-        hasattr(m, attr) for m in mappings.values() for attr in ("_reverse_config_mapping", "_model_mapping")
-    ):
-        return False
-    package = sys.modules[__name__]
-    for model_type, (config_name, models) in _MODELS.items():
-        module_name = configuration_auto.model_type_to_module_name(model_type)
-        config_mapping._mapping[model_type] = config_name  # CONFIG_MAPPING_NAMES: one table, shared by every mapping
-        config_mapping._modules[module_name] = package
-        for auto, model_name in models.items():
-            mapping = mappings[auto]
-            mapping._reverse_config_mapping[config_name] = model_type
-            mapping._model_mapping[model_type] = model_name
-            mapping._modules[module_name] = package
-    return True
-
-
 def _register_classes() -> None:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -100,7 +73,11 @@ def _register_classes() -> None:
 
 
 def _register() -> None:
-    if not _register_by_name():
+    """Our model types in the Auto classes: by name (utils/transformers_private.py, where Transformers' private
+    tables are written), else through the public `register` API, which imports the classes now."""
+    from .utils.transformers_private import register_auto_names
+
+    if not register_auto_names(_MODELS, sys.modules[__name__]):
         _register_classes()
 
 

@@ -11,9 +11,9 @@ from .utils.command_line import parse_arguments
 def run(command: str, rest: list[str], description: str | None = None) -> int:
     """Run `hf-ppmoe COMMAND REST...` (`description`: the launcher's line for the command); returns the exit code."""
     if command == "train":
-        from .training.__main__ import cli
+        from .training.__main__ import cli, end_process
 
-        return cli(rest, prog="hf-ppmoe train")
+        return end_process(cli(rest, prog="hf-ppmoe train"))
     if command == "megatron":
         from .megatron.__main__ import megatron_main
 

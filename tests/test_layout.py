@@ -122,3 +122,51 @@ def test_no_comment_points_outside_the_repository():
         if any(name in line for name in OUTSIDE)
     ]
     assert not found, "\n".join(found)
+
+
+# The package direction of docs/architecture.md: a package imports only packages to its right (or in its own group,
+# without a circle between packages). `cli` and the package's face (`__init__`) sit above everything; `demo` may not
+# exist yet (the demo still lives in training/).
+DIRECTION = [{"__init__", "cli"}, {"demo"}, {"training"}, {"conversion", "megatron", "parallel", "peft"}, {"modeling"},
+             {"generation", "moe"}, {"utils"}]
+
+
+def _package_edges() -> dict[tuple[str, str], str]:
+    """(importing package, imported package) -> one example import, over hf_ppmoe's modules (relative, absolute and
+    in-function imports; `from .. import parallel` counts as importing hf_ppmoe.parallel)."""
+    def package(module: str) -> str:  # hf_ppmoe.training.train -> training; hf_ppmoe.__init__ -> __init__
+        return module.split(".")[1]
+
+    edges = {}
+    for path in PACKAGE.rglob("*.py"):
+        rel = path.relative_to(ROOT).with_suffix("")
+        name = ".".join(rel.parts)
+        own = name.rsplit(".", 1)[0] if path.name != "__init__.py" else name.removesuffix(".__init__")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.ImportFrom):
+                base = own.rsplit(".", node.level - 1)[0] if node.level > 1 else own
+                base = (f"{base}.{node.module}" if node.module else base) if node.level else (node.module or "")
+                targets = [f"{base}.{alias.name}" for alias in node.names] if not node.module else [base]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            for target in targets:
+                if target.split(".")[0] != "hf_ppmoe" or target == "hf_ppmoe":
+                    continue
+                src, dst = package(name), package(target)
+                if src != dst:
+                    edges.setdefault((src, dst), f"{rel}: {target}")
+    return edges
+
+
+def test_packages_import_one_way():
+    tier = {name: i for i, group in enumerate(DIRECTION) for name in group}
+    packages = {p.parent.name if p.name == "__init__.py" else p.stem for p in PACKAGE.glob("*/__init__.py")}
+    packages |= {p.stem for p in PACKAGE.glob("*.py")}
+    assert packages <= set(tier), f"place these in DIRECTION: {packages - set(tier)}"
+    edges = _package_edges()
+    assert ("training", "parallel") in edges and ("modeling", "moe") in edges  # the scan sees imports
+    upward = [f"{a} -> {b} ({example})" for (a, b), example in edges.items() if tier[a] > tier[b]]
+    assert not upward, "imports against the package direction:\n" + "\n".join(upward)
+    circles = _cycles({p: {b for (a, b) in edges if a == p} for p in tier})
+    assert circles == [], f"packages importing each other: {circles}"

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import AbstractTrainStep, add_model_config_to_megatron_parser
 
+from ..modeling.loss import IGNORE_INDEX
+
 ACTIVATIONS = {
     "silu": F.silu,
     "swish": F.silu,
@@ -398,7 +400,7 @@ def megatron_batch(batch: dict, device=None):
     """A Transformers batch -> Megatron's (tokens, labels, loss_mask, attention_mask, position_ids), same loss as HF.
 
     Megatron's GPTModel returns one loss per position, for the label *at* that position, so HF's shift happens here:
-    labels[t] = batch labels[t + 1] (or input_ids[t + 1]), masked where HF ignores it (-100, padding, last position).
+    labels[t] = batch labels[t + 1] (or input_ids[t + 1]), masked where HF ignores it (IGNORE_INDEX, padding, last position).
     The attention mask is None (causal) without padding, else a [B, 1, S, S] bool mask, True = masked.
     """
     input_ids = batch["input_ids"].to(device)
@@ -406,10 +408,10 @@ def megatron_batch(batch: dict, device=None):
     valid = batch.get("attention_mask")
     valid = torch.ones_like(input_ids, dtype=torch.bool) if valid is None else valid.to(device).bool()
     targets = batch.get("labels")
-    targets = input_ids.masked_fill(~valid, -100) if targets is None else targets.to(device)
-    labels = torch.cat([targets[:, 1:], targets.new_full((B, 1), -100)], dim=1)
-    loss_mask = (labels != -100).float()
-    labels = labels.masked_fill(labels == -100, 0)
+    targets = input_ids.masked_fill(~valid, IGNORE_INDEX) if targets is None else targets.to(device)
+    labels = torch.cat([targets[:, 1:], targets.new_full((B, 1), IGNORE_INDEX)], dim=1)
+    loss_mask = (labels != IGNORE_INDEX).float()
+    labels = labels.masked_fill(labels == IGNORE_INDEX, 0)
     attention_mask = None
     if not bool(valid.all()):
         causal = torch.ones(S, S, dtype=torch.bool, device=input_ids.device).triu(1)

@@ -2,6 +2,7 @@
 imports torch.distributed).
 
     init_distributed()                      join the torchrun / accelerate job, with a timeout
+    exit_distributed(code)                  end the process without gloo's threads aborting it (mesh.py says why)
     make_mesh(fsdp=2, pp=2, tp=2)           (dp, fsdp, pp, tp) DeviceMesh, every sub-group with a timeout
     parallelize(model, mesh["tp"])          tensor parallelism + PPMoE expert parallelism over a TP group
     Pipeline(model, mesh["pp"], num_microbatches=4, schedule="1f1b", tp=mesh["tp"]).step(ids, labels, mask)
@@ -21,7 +22,7 @@ from . import expert_parallel  # registers the "ppmoe" plan styles and expert-pa
 from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad, sum_over
 from .fsdp import clip_grad_norm_, fully_shard_model, state_bytes
 from .expert_parallel import AllToAllDispatcher, PPMoEDispatcher, PPMoEExperts
-from .mesh import ExpertMesh, batch_mesh, expert_mesh, init_distributed, make_mesh
+from .mesh import ExpertMesh, batch_mesh, exit_distributed, expert_mesh, init_distributed, make_mesh
 from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, Seq2SeqMoEStage, split_layers
 from .tensor_parallel import parallelize
 
@@ -39,6 +40,7 @@ __all__ = [
     "clip_grad_norm_",
     "copy_to",
     "count_collectives",
+    "exit_distributed",
     "expert_mesh",
     "fully_shard_model",
     "init_distributed",

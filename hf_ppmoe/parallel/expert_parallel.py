@@ -88,7 +88,7 @@ def share_router_generator(gate, group, device_type: str) -> int:
     return int(seed.item())
 
 
-class SharedRouter(TokenDispatcher):
+class ReplicatedRouterDispatcher(TokenDispatcher):
     """A dispatcher for a layer whose ranks route the same tokens: the router draws its random numbers (jitter,
     GShard's random routing) from one generator seeded alike on every rank of the group."""
 
@@ -100,7 +100,7 @@ class SharedRouter(TokenDispatcher):
         return super().route(gate, x, token_mask, compute_losses)
 
 
-class PPMoEDispatcher(TensorParallel, SharedRouter):
+class PPMoEDispatcher(TensorParallel, ReplicatedRouterDispatcher):
     """PPMoE's dispatcher over a tensor-parallel group (module docstring): the router replicated with one random
     generator; when the experts are PPMoE-split (an `ExpertParallel` module with style "ppmoe"), the input enters
     through `copy_to` (dispatch: every rank keeps every token, its experts take the routes that reach them), the
@@ -124,7 +124,7 @@ class PPMoEDispatcher(TensorParallel, SharedRouter):
         return reduce_from(out, group), routing._replace(**scaled)  # one all-reduce
 
 
-class AllToAllDispatcher(ParallelModule, SharedRouter):
+class AllToAllDispatcher(ParallelModule, ReplicatedRouterDispatcher):
     """The dispatcher of a layer whose experts are spread over more ranks than its tensor-parallel group (ranks that
     read different batches): its experts module runs Transformers' all-to-all (`AllToAllWithDrops`), which sends
     each route to the rank holding its expert and brings the outputs back, so the layer hands it the tokens and

@@ -1,4 +1,5 @@
-"""Process groups and device meshes with timeouts, so a dead or hung rank or a wrong world size gives an error.
+"""Process groups and device meshes with timeouts, so a dead or hung rank or a wrong world size gives an error; and
+the end of a process that used them (`exit_distributed`).
 
 c10d waits 30 minutes by default (2 hours on a group Transformers creates), and sub-groups of a `DeviceMesh` do not
 inherit the world group's timeout, so a rank that stops answering stalls every other rank for that long. Here every
@@ -8,9 +9,11 @@ peer process died raises at once ("Connection reset by peer" / "Connection close
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 from datetime import timedelta
-from typing import NamedTuple
+from typing import NamedTuple, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -34,6 +37,53 @@ def init_distributed(timeout: timedelta = DEFAULT_TIMEOUT, backend: str | None =
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timeout)
+
+
+def gloo_threads() -> list[str]:
+    """The names of this process's gloo threads (`gloo_tcp_loop`, `pt_gloo_runloop`: one set per gloo group whose C++
+    object is alive); None where threads cannot be listed (no /proc)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return sorted(name for name in names if "gloo" in name)
+
+
+def exit_distributed(code: int = 0) -> NoReturn:
+    """End a process that used torch.distributed with exit status `code`, without the interpreter's finalization
+    while gloo's threads live: the end for every script that torchrun or `accelerate launch` runs.
+
+    Why: a gloo group runs each collective on a worker thread (`pt_gloo_runloop`) that, after the collective has
+    completed, drops its reference to the work and with it to the work's tensors; for a tensor created in Python that
+    decref needs the GIL. When the main thread has meanwhile returned from its last collective and begun finalizing
+    the interpreter, the worker's GIL request ends the thread (`PyThread_exit_thread`), whose unwind through the
+    work's destructor calls std::terminate: "terminate called without an active exception", SIGABRT, a failed rank
+    after a finished job (core dump: `~AsyncAllreduceWork` -> `decref_pyobject` -> `take_gil` -> `pthread_exit`). The
+    slower the worker thread (a loaded machine), the likelier. `destroy_process_group` only joins those threads when
+    it frees the group's last reference, and a DistributedDataParallel model or an FSDP2 mesh keeps one to the end of
+    the process (torch 2.13: Accelerate's DDP leaves one group's threads alive, an FSDP2 run five).
+
+    So: the process groups are destroyed, the `atexit` handlers run (logging, trackers), stdout and stderr are
+    flushed, and the process ends with `os._exit(code)` before the interpreter finalizes. Where no gloo thread is
+    alive (none was started, or all were joined), this is a plain `sys.exit(code)`."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    if gloo_threads() == []:
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or gone
+            pass
+    os._exit(code)
 
 
 def device_type() -> str:

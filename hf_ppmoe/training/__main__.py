@@ -1,4 +1,5 @@
-"""Thin CLI over `hf_ppmoe.training.main`: every field of `TrainArguments` is a `--flag`."""
+"""Thin CLI over `hf_ppmoe.training.main`: every field of `TrainArguments` is a `--flag`. A process that ran under
+torchrun / `accelerate launch` ends through `hf_ppmoe.parallel.exit_distributed` (`end_process`)."""
 
 import sys
 
@@ -20,5 +21,17 @@ def cli(argv: list[str] | None = None, prog: str = "python -m hf_ppmoe.training"
     return 0
 
 
+def end_process(code: int) -> int:
+    """Return `code`, or, when this process has gloo threads alive (it ran distributed), end it with `code` through
+    `hf_ppmoe.parallel.exit_distributed` (the interpreter's finalization could abort it: see there)."""
+    if "torch.distributed" not in sys.modules:  # --help, flag errors: torch was never imported
+        return code
+    from ..parallel.mesh import exit_distributed, gloo_threads
+
+    if gloo_threads() != []:
+        exit_distributed(code)
+    return code
+
+
 if __name__ == "__main__":
-    sys.exit(cli())
+    sys.exit(end_process(cli()))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from ..modeling.loss import IGNORE_INDEX
 from .block_data import batch_rows
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -85,10 +86,10 @@ def tokenize_pairs(pairs, tokenizer, max_source_length: int, max_target_length: 
 
 
 def collate(rows: list[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Pad a list of tokenized pairs: input_ids with the pad id (attention_mask 0 there), labels with -100."""
+    """Pad a list of tokenized pairs: input_ids with the pad id (attention_mask 0 there), labels with IGNORE_INDEX."""
     n, m = max(len(r["input_ids"]) for r in rows), max(len(r["labels"]) for r in rows)
     input_ids = torch.full((len(rows), n), pad_token_id, dtype=torch.long)
-    labels = torch.full((len(rows), m), -100, dtype=torch.long)
+    labels = torch.full((len(rows), m), IGNORE_INDEX, dtype=torch.long)
     for i, row in enumerate(rows):
         input_ids[i, : len(row["input_ids"])] = torch.tensor(row["input_ids"])
         labels[i, : len(row["labels"])] = torch.tensor(row["labels"])

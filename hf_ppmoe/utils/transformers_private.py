@@ -1,6 +1,9 @@
 """Every use of Transformers' private API in hf_ppmoe, behind one small adapter: what to re-check when Transformers
 changes. Checked against transformers 5.24 (`TRANSFORMERS_CHECKED`).
 
+- `register_auto_names`: our model types written into the Auto classes' lazy name tables (`CONFIG_MAPPING._mapping`,
+  each model mapping's `_model_mapping` / `_reverse_config_mapping`, the `_modules` caches), as Transformers lists its
+  own models; `hf_ppmoe/__init__.py` falls back on the public `register` API where they are not as expected.
 - `PrivateHooks`: overrides of two private hooks of `PreTrainedModel`, `_resolve_parallel_plans` and
   `_load_pretrained_model`, which hand over to public methods of our model class (`keep_own_plan_rules`,
   `load_guarded`).
@@ -17,12 +20,40 @@ self-contained `custom_generate` file and so reads `config._attn_implementation`
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from torch import nn
-from transformers import PreTrainedModel
-from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+if TYPE_CHECKING:  # importing torch or the model classes would cost `import hf_ppmoe` (it registers through here)
+    from torch import nn
+    from transformers import PreTrainedModel
 
 TRANSFORMERS_CHECKED = "5.24"
+
+
+def register_auto_names(models: dict[str, tuple[str, dict[str, str]]], package: ModuleType) -> bool:
+    """Teach the Auto classes our model types the way they know Transformers' own: by name, each resolved on first use
+    through `package`'s `__getattr__`. `models`: model_type -> (config class name, {Auto class name: model class
+    name}). Returns False, writing nothing, where the tables are not as expected."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+
+    autos = {auto for _, classes in models.values() for auto in classes}
+    mappings = {name: getattr(modeling_auto, name)._model_mapping for name in sorted(autos)}
+    config_mapping = configuration_auto.CONFIG_MAPPING
+    tables = [config_mapping, *mappings.values()]
+    if not all(hasattr(t, "_modules") for t in tables) or not hasattr(config_mapping, "_mapping") or not all(
+        hasattr(m, attr) for m in mappings.values() for attr in ("_reverse_config_mapping", "_model_mapping")
+    ):
+        return False
+    for model_type, (config_name, classes) in models.items():
+        module_name = configuration_auto.model_type_to_module_name(model_type)
+        config_mapping._mapping[model_type] = config_name  # CONFIG_MAPPING_NAMES: one table, shared by every mapping
+        config_mapping._modules[module_name] = package
+        for auto, model_name in classes.items():
+            mapping = mappings[auto]
+            mapping._reverse_config_mapping[config_name] = model_type
+            mapping._model_mapping[model_type] = model_name
+            mapping._modules[module_name] = package
+    return True
 
 
 class PrivateHooks:
@@ -40,6 +71,8 @@ class PrivateHooks:
 
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
+        from transformers import PreTrainedModel
+
         def load():
             return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)
 
@@ -75,6 +108,8 @@ def is_first_pipeline_stage(model: PreTrainedModel) -> bool:
 
 def register_output_recorders(module: nn.Module, recorders: dict) -> None:
     """Where Transformers' output hooks look a module's recorders up (`PreTrainedModel.__init__` does the same)."""
+    from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+
     _CAN_RECORD_REGISTRY[module] = recorders
 
 

@@ -14,10 +14,10 @@ import os
 import sys
 
 import accelerate.utils
-import torch
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
 import hf_ppmoe.training.train as train
+from hf_ppmoe.parallel import exit_distributed
 from hf_ppmoe.training import TrainArguments
 from transformers import HfArgumentParser
 
@@ -40,6 +40,5 @@ if __name__ == "__main__":
         expected = run.get("error")
         if (expected is None) != (error is None) or (expected is not None and expected not in error):
             sys.exit(f"rank {rank}: run {argv} expected error {expected!r}, got {error!r}")
-    # the group kept above is destroyed once, after the last run (see tests/training/runs.py)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    # the group kept above is destroyed once, after the last run, and the process ends (see tests/training/runs.py)
+    exit_distributed(0)

@@ -12,9 +12,9 @@ import os
 import sys
 import time
 
-import torch.distributed as dist
 from accelerate.state import AcceleratorState, GradientState, PartialState
 
+from hf_ppmoe.parallel import exit_distributed
 from hf_ppmoe.training.__main__ import cli
 from hf_ppmoe.training.tracking import JSONLinesTracker
 
@@ -42,7 +42,6 @@ if __name__ == "__main__":
             sys.exit(f"run {argv} failed")
         AcceleratorState._reset_state(reset_partial_state=True)
         GradientState._reset_state()
-    # the group kept above is destroyed once, after the last run: left to interpreter exit, its gloo threads can be
-    # torn down while still joinable ("terminate called without an active exception", a failed rank)
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # the group kept above is destroyed once, after the last run, and the process ends as `python -m
+    # hf_ppmoe.training` does (exit_distributed: gloo's threads would abort the interpreter's finalization)
+    exit_distributed(0)

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from hf_ppmoe import GPTMoEForCausalLM
+from hf_ppmoe.parallel import exit_distributed
 from hf_ppmoe.training import MoETrainer
 from test_trainer import one_step
 
@@ -24,7 +25,7 @@ if __name__ == "__main__":
         trained, log = one_step(model, data, work / name, **overrides)
         if torch.distributed.get_rank() == 0:
             torch.save({"state_dict": trained.state_dict(), "log": log}, work / f"{name}.pt")
-    # left to interpreter exit, the gloo group's threads can be torn down while still joinable ("terminate called
-    # without an active exception": an aborted rank, seen once in CI), so every rank leaves together and destroys it
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    # Trainer's DDP keeps its gloo group's threads alive to the end of the process; finalizing the interpreter while
+    # one of them releases a collective's tensors aborts the rank ("terminate called without an active exception"):
+    # the end every torchrun script of ours takes (hf_ppmoe.parallel.exit_distributed says why)
+    exit_distributed(0)
