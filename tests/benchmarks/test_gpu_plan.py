@@ -59,7 +59,7 @@ def test_layer_section_skips_a_case_that_cannot_fit_and_measures_the_rest(gpu):
 
     import torch
 
-    args = argparse.Namespace(tokens=64, hidden=32, inner=16, experts=[4], topk=[2], rounds=1)
+    args = argparse.Namespace(tokens=64, hidden=32, inner=16, experts=[4], topk=[2], rounds=1, warmup=1)
     args.memory = gpu.estimate_layer("qwen3-batched_mm", 64, 32, 16, 4, 2) / gpu.USABLE - 1
     lines = gpu.layer_section(args, torch.device("cpu"), torch.bfloat16, gpu.Timer(torch.device("cpu")))
     rows = [line.strip("| ").split(" | ") for line in lines[4:]]
@@ -123,7 +123,7 @@ def test_training_section_times_each_model_alone_against_dense_and_qwen3(gpu):
     import torch
 
     args = argparse.Namespace(batch=1, seq=16, model_hidden=64, model_inner=32, model_layers=1, compile=False,
-                              rounds=1, memory=None)
+                              rounds=1, warmup=1, min_decode_rounds=1, memory=None)
     problems = []
     lines = gpu.training_section(args, torch.device("cpu"), torch.float32, gpu.Timer(torch.device("cpu")), problems)
     rows = {r[0]: r[1:] for r in (line.strip("| ").split(" | ") for line in lines[4:])}
