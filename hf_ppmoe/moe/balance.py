@@ -25,7 +25,7 @@ over the same global batch does. A forward counts when its layer is in training 
 Gradient checkpointing runs a layer's forward again in the backward: every count doubles alike, which changes neither
 the signs nor the fractions.
 
-No torch.distributed here: the collective comes from outside as `reduce` (a function summing a tensor over the
+No collective is called here: it comes from outside as `reduce` (a function summing a tensor over the
 data-parallel processes), as hf_ppmoe.moe never communicates.
 """
 
