@@ -72,7 +72,7 @@ def plot_comparison(arms: dict[str, dict[int, dict]], pairs: list[tuple[str, str
                         label=f"seed {seed}")
         bottom.plot(tokens[1:], mean_curve(list(diffs.values()))[1:], color="tab:purple", linewidth=2.4, label="mean")
         bottom.axhline(0.0, color="black", linewidth=0.8)
-        bottom.set(title=f"{arm} minus {baseline} (below 0: the MoE is better)", xlabel="training tokens",
+        bottom.set(title=f"{arm} minus {baseline} (< 0: MoE better)", xlabel="training tokens",
                    ylabel="held-out loss difference")
         for ax in (top, bottom):
             ax.grid(alpha=0.3)

@@ -352,18 +352,24 @@ class TopKGate(Gate):
         keep = torch.zeros(T, N, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
 
-    def weigh(self, scores: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
-        """The combine weights [T, K] of the routes expert_ids [T, K] (sentinel: 0), from the unbiased scores."""
-        weights = gather_routes(scores, expert_ids)
+    def weigh(self, scores: torch.Tensor, expert_ids: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
+        """The combine weights [T, K] of the routes expert_ids [T, K] (sentinel: 0), from the unbiased scores;
+        `chosen`: those scores at expert_ids when the caller has them (no sentinel among the ids then)."""
+        weights = gather_routes(scores, expert_ids) if chosen is None else chosen
         if self.weighting == "m6t":  # M6-T Eq. (1): p = softmax(g), g = topk(softmax(W x)); a sentinel route gets 0
-            weights = weights.masked_fill(expert_ids >= self.num_experts, float("-inf")).softmax(dim=-1)
-            weights = weights.nan_to_num(0.0)
-        elif self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=1e-20)
+            if chosen is None:
+                weights = weights.masked_fill(expert_ids >= self.num_experts, float("-inf"))
+            weights = weights.softmax(dim=-1).nan_to_num(0.0) if chosen is None else weights.softmax(dim=-1)
+        elif self.normalize:  # chosen scores are positive; replayed routes may all be the sentinel (sum 0)
+            total = weights.sum(dim=-1, keepdim=True)
+            weights = weights / (total if chosen is not None else total.clamp(min=1e-20))
         return weights * self.scaling if self.scaling != 1.0 else weights
 
     def select(self, logits):
         scores, probs = self.scores(logits)
+        if self.expert_bias is None and self.expert_groups == 1:  # the top-k values are the chosen scores
+            chosen, experts = scores.topk(self.top_k, dim=-1)
+            return experts, self.weigh(scores, experts, chosen), probs
         experts = self.choose(scores)
         return experts, self.weigh(scores, experts), probs
 

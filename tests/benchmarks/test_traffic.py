@@ -34,7 +34,9 @@ def test_ours_moves_fewer_bytes_and_launches_no_more_kernels_than_qwen3(traffic,
         assert ours[mode].gemm_flops == pytest.approx(qwen[mode].gemm_flops, rel=0.01), mode  # the same work
         assert ours[mode].other_bytes <= qwen[mode].other_bytes, (mode, ours[mode].ops, qwen[mode].ops)
     assert without_losses.kernels <= qwen["train"].kernels, (without_losses.ops, qwen["train"].ops)
-    assert router_losses <= 12  # aux (counts, mean probabilities), z-loss, routes per expert, dropped fraction
+    # aux (counts, mean probabilities), z-loss, routes per expert, dropped fraction (12), and the routes each expert
+    # was assigned and the real tokens, which LoadBalancer sums per step (issue 35: 5 more)
+    assert router_losses <= 17
     assert ours["forward"].kernels <= qwen["forward"].kernels + (k > 1), (ours["forward"].ops, qwen["forward"].ops)
 
 
