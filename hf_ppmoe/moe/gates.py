@@ -356,10 +356,12 @@ class TopKGate(Gate):
         """The combine weights [T, K] of the routes expert_ids [T, K] (sentinel: 0), from the unbiased scores;
         `chosen`: those scores at expert_ids when the caller has them (no sentinel among the ids then)."""
         weights = gather_routes(scores, expert_ids) if chosen is None else chosen
-        if self.weighting == "m6t":  # M6-T Eq. (1): p = softmax(g), g = topk(softmax(W x)); a sentinel route gets 0
-            if chosen is None:
+        if self.weighting == "m6t":  # M6-T Eq. (1): p = softmax(g), g = topk(softmax(W x))
+            if chosen is None:  # a sentinel route gets 0
                 weights = weights.masked_fill(expert_ids >= self.num_experts, float("-inf"))
-            weights = weights.softmax(dim=-1).nan_to_num(0.0) if chosen is None else weights.softmax(dim=-1)
+                weights = weights.softmax(dim=-1).nan_to_num(0.0)
+            else:
+                weights = weights.softmax(dim=-1)
         elif self.normalize:  # chosen scores are positive; replayed routes may all be the sentinel (sum 0)
             total = weights.sum(dim=-1, keepdim=True)
             weights = weights / (total if chosen is not None else total.clamp(min=1e-20))
