@@ -241,8 +241,8 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
         f"{results['environment']['threads']} thread(s); the runs took {wall / 3600:.2f} h wall, {cpu / 3600:.2f} "
         "CPU-hours.", "",
         "| arm | what | params total / active | train MFLOPs / token | seeds | val loss mean | std | min - max "
-        "| delta vs dense (mean +- std) | tokens/s | tokens / CPU-s | dropped routes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| delta vs dense (mean +- std) | tokens/s | tokens / CPU-s | dropped routes | max/mean load, end (mean over run) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm, what in [*((a, d) for a, (d, _) in ARMS.items()), *UPCYCLE_ARMS.items()]:
         if arm not in arms:
@@ -255,11 +255,14 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
         delta = f"{statistics.mean(d):+.4f} +- {statistics.stdev(d) if len(d) > 1 else 0:.4f}" if d and arm != baseline else "-"
         speed = [statistics.median(r[k] for r in seeds.values() if r[k]) for k in ("tokens_per_s", "tokens_per_cpu_s")]
         dropped = [r["curve"][-1]["dropped"] for r in seeds.values() if "dropped" in r["curve"][-1]]
+        load = [(r["curve"][-1]["load_max_over_mean"], statistics.mean(p["load_max_over_mean"] for p in r["curve"][1:]))
+                for r in seeds.values() if "load_max_over_mean" in r["curve"][-1]]
         lines.append(
             f"| {arm} | {what} | {first['params']['total'] / 1e6:.2f}M / {first['params']['active'] / 1e6:.2f}M "
             f"| {first['flops_per_token']['train'] / 1e6:.2f} | {loss['n']} | {loss['mean']:.4f} | {loss['std']:.4f} "
             f"| {loss['min']:.4f} - {loss['max']:.4f} | {delta} | {speed[0]:,.0f} | {speed[1]:,.0f} "
-            f"| {f'{statistics.mean(dropped):.3f}' if dropped else '-'} |"
+            f"| {f'{statistics.mean(dropped):.3f}' if dropped else '-'} "
+            f"| {f'{statistics.mean(a for a, _ in load):.2f} ({statistics.mean(b for _, b in load):.2f})' if load else '-'} |"
         )
     lines += ["", "Claims (paired one-sided t-test at 5% over seeds; 'null': the spread does not resolve the sign):", "",
               "| claim | arm - baseline, per seed | mean +- std | verdict |", "|---|---|---|---|"]

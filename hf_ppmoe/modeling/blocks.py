@@ -23,7 +23,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ..moe.experts import MLP
 from ..moe.layer import MoELayer
-from ..moe.losses import losses_wanted
+from ..moe.losses import losses_wanted, mean_over_layers
 from ..moe.observe import ROUTING_INDEX
 from .common import layer_outputs
 from .norms import build_norm
@@ -149,23 +149,15 @@ def run_layers(
         hidden_states, aux, z = layer(hidden_states, *args, **kwargs)
         if aux is not None:
             losses.append((aux, z))
-    if not losses:
-        return hidden_states, None, None
-    # each mean is a tensor of its own, not a view (unbind's): FSDP2 warns about views a wrapped model returns
-    aux, z = (torch.stack(column).mean() for column in zip(*losses))
+    aux, z = mean_over_layers([(aux, z, 1) for aux, z in losses], len(losses))
     return hidden_states, aux, z
 
 
 def combine_router_losses(*stacks: tuple[tuple[torch.Tensor, torch.Tensor] | None, int]):
     """(router_losses, number of MoE layers) per stack -> (aux_loss, z_loss) averaged over all MoE layers, as if one
-    list of layers (so the coefficients mean the same for any split between encoder and decoder)."""
-    present = [(losses, n) for losses, n in stacks if losses is not None and n > 0]
-    if not present:
-        return None, None
-    total = sum(n for _, n in present)
-    aux = sum(losses[0] * n for losses, n in present) / total
-    z = sum(losses[1] * n for losses, n in present) / total
-    return aux, z
+    list of layers (`mean_over_layers`)."""
+    present = [(losses[0], losses[1], n) for losses, n in stacks if losses is not None]
+    return mean_over_layers(present, sum(n for *_, n in present))
 
 
 def output_recorders(layer: type[nn.Module], attention: type[nn.Module], cross_attention: bool = False) -> dict:
@@ -214,8 +206,9 @@ def capture_moe_outputs(forward):
         kwargs.pop("return_dict", None)
         flags = {name: kwargs.pop(name, None) for name in _FLAGS}
         flags = {name: getattr(self.config, name) if value is None else value for name, value in flags.items()}
-        if kwargs.get("compute_router_losses") is None:
-            kwargs["compute_router_losses"] = losses_wanted(True if flags["output_router_logits"] else None)
+        kwargs["compute_router_losses"] = losses_wanted(
+            kwargs.get("compute_router_losses"), router_logits=bool(flags["output_router_logits"])
+        )
         out = captured(self, *args, return_dict=True, **flags, **kwargs)
         if out.router_logits is not None:  # the recorded Routings
             routings = out.router_logits

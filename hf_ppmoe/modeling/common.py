@@ -14,7 +14,6 @@ from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel
-from transformers import initialization as init
 
 from ..moe.experts import Experts
 from ..moe.gates import Gate
@@ -80,15 +79,8 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
     @torch.no_grad()
     def _init_weights(self, module):
         super()._init_weights(module)
-        std = self.config.initializer_range
-        if isinstance(module, Experts):
-            init.normal_(module.in_proj, mean=0.0, std=std)
-            init.normal_(module.down_proj, mean=0.0, std=std)
-            if module.has_bias:
-                init.zeros_(module.in_proj_bias)
-                init.zeros_(module.down_proj_bias)
-        elif isinstance(module, Gate):
-            init.normal_(module.weight, mean=0.0, std=std)
+        if isinstance(module, (Experts, Gate)):
+            module.reset_parameters()
 
     def save_pretrained(self, save_directory, *args, is_main_process: bool = True, **kwargs):
         """Transformers' `save_pretrained` into a temporary folder that then replaces `save_directory` in one step

@@ -17,6 +17,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
+from ..moe.losses import losses_wanted
 from ..utils.transformers_private import attention_implementation
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
 from .blocks import head_output, model_forward, output_recorders, run_layers
@@ -287,7 +288,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            compute_router_losses=True if compute_router_losses is None and labels is not None else compute_router_losses,
+            compute_router_losses=compute_router_losses if labels is None else losses_wanted(compute_router_losses, labels=True),
             **kwargs,
         )
         hidden = out.last_hidden_state

@@ -31,6 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
+from ..moe.losses import losses_wanted
 from ..utils.transformers_private import attention_implementation, register_output_recorders
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
@@ -533,11 +534,12 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
         decoder_inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
+        compute_router_losses: bool | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> Seq2SeqMoELMOutput:
         """labels [B, L] (-100: ignored) give the loss and, unless decoder inputs are passed, the decoder inputs
         (`_shift_right`). Router losses count the tokens the LM loss counts. A batch without a target label has loss 0
-        (`model_loss`)."""
+        (`model_loss`). `compute_router_losses` defaults to True with labels (False: the LM loss alone)."""
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
         if labels is not None and decoder_input_ids is None and decoder_inputs_embeds is None:
             decoder_input_ids = self._shift_right(labels)
@@ -553,7 +555,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             decoder_token_mask=is_target(labels) if labels is not None else None,
-            compute_router_losses=True if labels is not None else None,
+            compute_router_losses=compute_router_losses if labels is None else losses_wanted(compute_router_losses, labels=True),
             **kwargs,
         )
         logits = self.lm_logits(out.last_hidden_state)

@@ -1,7 +1,7 @@
 """Model-agnostic MoE building blocks (single device; parallelism is applied from `hf_ppmoe.parallel`)."""
 
 from .balance import LoadBalancer, bias_update
-from .experts import EXPERTS_FUNCTIONS, MLP, Experts, einsum_dispatch, index_dispatch
+from .experts import EXPERTS_FUNCTIONS, MLP, Experts, einsum_experts, index_experts
 from .kernels import CAPABILITIES, capability_table
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
 from .layer import MoELayer, TokenDispatcher
@@ -28,10 +28,10 @@ __all__ = [
     "TopKGate",
     "capability_table",
     "capacity_for",
-    "einsum_dispatch",
+    "einsum_experts",
     "get_gate_class",
     "group_size_for",
-    "index_dispatch",
+    "index_experts",
     "balance_loss",
     "bias_update",
     "losses_wanted",

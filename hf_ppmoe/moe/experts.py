@@ -37,12 +37,13 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ExpertsInterface
 
 from ..utils.transformers_private import mark_expert_parallel
 from .kernels import aligned, autocast_dtype, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
-from .routing import capacity_for, group_size_for, positions_in_expert
+from .routing import capacity_in_mode, group_size_for, positions_in_expert
 
 
 class MLP(nn.Module):
@@ -84,9 +85,8 @@ class Experts(nn.Module):
             else:
                 self.up_proj_bias = nn.Parameter(torch.zeros(E, I))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
-        std = getattr(config, "initializer_range", 0.02)
-        nn.init.normal_(self.in_proj, std=std)
-        nn.init.normal_(self.down_proj, std=std)
+        self.initializer_range = getattr(config, "initializer_range", 0.02)
+        self.reset_parameters()
         self.act_fn = ACT2FN[config.hidden_act]
         self.swiglu = self.has_gate and config.hidden_act in ("silu", "swish")
         warn_if_no_grouped_mm()
@@ -96,6 +96,15 @@ class Experts(nn.Module):
         self.is_concatenated = True
         self.has_post_expert_norm = False
         mark_expert_parallel(self)
+
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) weights and zero biases: the one place the experts' initialisation is written
+        (the model's `_init_weights` calls it; Transformers' `init` functions skip tensors loaded from a checkpoint)."""
+        init.normal_(self.in_proj, std=self.initializer_range)
+        init.normal_(self.down_proj, std=self.initializer_range)
+        if self.has_bias:
+            init.zeros_(self.in_proj_bias)
+            init.zeros_(self.down_proj_bias)
 
     def extra_repr(self) -> str:
         return (
@@ -286,7 +295,7 @@ def index_loop(experts, x, expert_ids, weights):
     return _index(experts, x, expert_ids, weights, kernel=False)
 
 
-def index_dispatch(experts, x, expert_ids, weights):
+def index_experts(experts, x, expert_ids, weights):
     """`experts_implementation="index"`: PPMoE Algorithm 1 or its decoding forms, as the capability table picks for
     this call."""
     name = table_choice(experts, x, expert_ids, torch.is_grad_enabled())
@@ -345,7 +354,7 @@ def _parameters(experts: Experts, dtype: torch.dtype):
     return w_in, None if b_in is None else b_in.to(dtype), w_out, None if b_out is None else b_out.to(dtype)
 
 
-def einsum_dispatch(
+def einsum_experts(
     experts: Experts,
     x: torch.Tensor,
     expert_ids: torch.Tensor,
@@ -366,18 +375,18 @@ def einsum_dispatch(
     """
     finite = torch.isfinite(x).all(-1, keepdim=True)  # [T, 1]
     x = x.masked_fill(~finite, 0.0)
-    out = _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity)
+    out = _einsum_buffers(experts, x, expert_ids, weights, group_size, capacity)
     return out.masked_fill(~finite, float("nan"))
 
 
 def _gate_capacity(experts, top_k, group_size) -> int | None:
-    """The capacity the gate applied to this call's routes (None: dropless), from the config it was built with."""
-    config = experts.config
-    factor = config.capacity_factor if experts.training else config.eval_capacity_factor
-    return capacity_for(factor, top_k, group_size, config.num_experts)
+    """The capacity the gate applied to this call's routes (None: dropless), by the gate's own rule
+    (`routing.capacity_in_mode`) on the config it was built with: the experts' contract carries no capacity."""
+    c = experts.config
+    return capacity_in_mode(c.capacity_factor, c.eval_capacity_factor, experts.training, top_k, group_size, c.num_experts)
 
 
-def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> torch.Tensor:
+def _einsum_buffers(experts, x, expert_ids, weights, group_size, capacity) -> torch.Tensor:
     T, K = expert_ids.shape
     E, H = experts.num_experts, x.shape[-1]
     S = group_size or T
@@ -413,16 +422,16 @@ def _einsum_dispatch(experts, x, expert_ids, weights, group_size, capacity) -> t
     return out.reshape(G * S, H)[:T]
 
 
-def _einsum_experts(experts, x, expert_ids, weights):
+def _einsum_by_config(experts, x, expert_ids, weights):
     """`experts_implementation="einsum"`: GShard's groups as the gate made them."""
-    return einsum_dispatch(experts, x, expert_ids, weights, group_size_for(len(x), experts.config.router_num_groups))
+    return einsum_experts(experts, x, expert_ids, weights, group_size_for(len(x), experts.config.router_num_groups))
 
 
 # Ours, by name, in Transformers' own registry (`ExpertsInterface.register`): `from_pretrained(...,
 # experts_implementation="einsum")` and `set_experts_implementation` accept them as they accept "grouped_mm".
 EXPERTS_IMPLEMENTATIONS = ("index", "einsum")
-ExpertsInterface.register("index", index_dispatch)
-ExpertsInterface.register("einsum", _einsum_experts)
+ExpertsInterface.register("index", index_experts)
+ExpertsInterface.register("einsum", _einsum_by_config)
 
 # One registry for `Experts.forward`: Transformers' experts implementations (`grouped_mm`, `batched_mm`, ...), ours, and
 # the forms the capability table picks between (not names a user chooses, so kept out of Transformers' registry).

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 
 from .losses import balance_loss, losses_wanted, route_counts, route_fractions, router_z_loss
 from .routing import Routing, capacity_in_mode, group_size_for, positions_in_expert
@@ -96,13 +97,19 @@ class Gate(nn.Module):
         self.float32_router = getattr(config, "router_dtype", None) == "float32"
         self.aux_loss_scope = getattr(config, "router_aux_loss_scope", "micro_batch")
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
-        nn.init.normal_(self.weight, std=getattr(config, "initializer_range", 0.02))
+        self.initializer_range = getattr(config, "initializer_range", 0.02)
+        self.reset_parameters()
         bias = getattr(config, "router_expert_bias", False)
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32) if bias else None)
         scope = self.aux_loss_scope == "global_batch"
         self.register_buffer("global_fraction", torch.zeros(E, dtype=torch.float32) if scope else None, persistent=False)
         self.generator: torch.Generator | None = None
         self._given: dict = {}
+
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) router weight: the one place it is written (the model's `_init_weights` calls
+        it; Transformers' `init` functions skip a weight loaded from a checkpoint)."""
+        init.normal_(self.weight, std=self.initializer_range)
 
     def extra_repr(self) -> str:
         return (

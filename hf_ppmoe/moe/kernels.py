@@ -4,7 +4,7 @@ grouped GEMMs it chooses between.
 Legend: T tokens, H hidden, I expert inner size, E experts, N rows (routes), sm CUDA compute capability.
 
 `CAPABILITIES` is read top to bottom; the first row that matches the device, compute capability, compute dtype,
-eager or compiled, gradients on or off and the number of tokens names the implementation. The dispatch
+eager or compiled, gradients on or off and the number of tokens names the implementation. The choice
 (`Experts.implementation`), the GPU tests' expectations (tests/gpu) and the table in docs/gpu.md all come from it:
 
 - `index_kernel`: PPMoE Algorithm 1 on `torch.nn.functional.grouped_mm` (device-side offsets: no host read).

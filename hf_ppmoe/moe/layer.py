@@ -24,29 +24,33 @@ from .routing import Routing
 class TokenDispatcher(nn.Module):
     """How a layer's routed tokens reach its experts and come back, in the four steps a reader can follow:
     route (the gate) -> dispatch (what the experts receive) -> compute (the experts) -> combine (their output back to
-    the layer's tokens). This one keeps every step on this device. A parallel layout puts its own in the layer's
-    `dispatcher` slot, where `print(model)` shows it (hf_ppmoe.parallel.expert_parallel: PPMoE's index-slice +
-    all-reduce over the tensor-parallel group, and the all-to-all across data-parallel ranks)."""
+    the layer's tokens). The experts' contract is Transformers' (`forward(hidden_states, top_k_index,
+    top_k_weights)` -> [T, H]): they return each token's routing-weighted sum over its K routes, so combine has only
+    the experts' placement to undo. This one keeps every step on this device (combine has nothing to bring back). A
+    parallel layout puts its own in the layer's `dispatcher` slot, where `print(model)` shows it
+    (hf_ppmoe.parallel.expert_parallel: PPMoE's dispatch into the tensor-parallel group and its one-all-reduce
+    combine, and the all-to-all across data-parallel ranks)."""
 
     def forward(self, layer: MoELayer, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool | None):
         routing = self.route(layer.gate, x, token_mask, compute_losses)
-        out = layer.experts(*self.dispatch(x, routing))  # compute
-        return self.combine(out, routing)
+        out = layer.experts(*self.dispatch(x, routing, layer.experts))  # compute
+        return self.combine(out, routing, layer.experts), routing
 
     def route(self, gate, x, token_mask, compute_losses) -> Routing:
         return gate(x, token_mask, compute_losses=compute_losses)
 
-    def dispatch(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, routing: Routing, experts: nn.Module):
         """The experts' contract: (hidden_states [T, H], expert_ids [T, K], weights [T, K] in the hidden dtype)."""
         return x, routing.expert_ids, routing.weights.to(x.dtype)
 
-    def combine(self, out: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, Routing]:
-        return out, routing
+    def combine(self, out: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
+        """The experts' output [T, H] as the layer's: here, as it is."""
+        return out
 
 
 class MoELayer(nn.Module):
     """Gate + experts (+ shared expert) for one FFN slot (see the module docstring); the gate is the config's
-    `router_type`, the experts' dispatch its `dispatch`, the path between them the `dispatcher`'s."""
+    `router_type`, the experts' kernel its `experts_implementation`, the path between them the `dispatcher`'s."""
 
     def __init__(self, config):
         super().__init__()

@@ -10,10 +10,26 @@ import math
 import torch
 
 
-def losses_wanted(requested: bool | None) -> bool:
-    """Whether the router losses and statistics are computed: as requested, by default when gradients are on. The
-    one place this default is decided (models ask for them also when router logits are requested)."""
-    return torch.is_grad_enabled() if requested is None else bool(requested)
+def losses_wanted(requested: bool | None, *, labels: bool = False, router_logits: bool = False) -> bool:
+    """Whether the router losses and statistics are computed: as requested; by default when there are labels (the
+    loss includes them), when router logits are asked for, or when gradients are on. The one place this default is
+    decided; callers pass what they know."""
+    if requested is not None:
+        return bool(requested)
+    return labels or router_logits or torch.is_grad_enabled()
+
+
+def mean_over_layers(parts, num_layers: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(aux_loss, z_loss) averaged over `num_layers` MoE layers, from `parts`: (aux, z, n) triples, each the mean over
+    n of those layers (one layer, a stack, a pipeline stage's share; aux None: no losses there). The one form of this
+    mean, so a coefficient means the same however the layers are split into stacks or stages. The results are
+    tensors of their own, not views (FSDP2 warns about views a wrapped model returns)."""
+    parts = [(aux, z, n) for aux, z, n in parts if aux is not None and n > 0]
+    if not parts:
+        return None, None
+    aux = sum(a * (n / num_layers) for a, _, n in parts)
+    z = sum(z * (n / num_layers) for _, z, n in parts)
+    return aux, z
 
 
 def route_counts(ids: torch.Tensor, bins: int, dtype: torch.dtype, weights: torch.Tensor | None = None) -> torch.Tensor:

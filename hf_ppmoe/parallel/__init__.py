@@ -19,7 +19,7 @@ ep_implementation="ppmoe")` (through Transformers' expert-parallel dispatch).
 """
 
 from . import expert_parallel  # registers the "ppmoe" plan styles and expert-parallel implementation
-from .comm import Collective, copy_to, count_collectives, reduce_from, scale_grad, sum_over
+from .comm import Collective, copy_to, count_collectives, reduce_from, sum_over
 from .fsdp import clip_grad_norm_, fully_shard_model, state_bytes
 from .expert_parallel import AllToAllDispatcher, PPMoEDispatcher, PPMoEExperts
 from .mesh import ExpertMesh, batch_mesh, exit_distributed, expert_mesh, init_distributed, make_mesh
@@ -47,7 +47,6 @@ __all__ = [
     "make_mesh",
     "parallelize",
     "reduce_from",
-    "scale_grad",
     "split_layers",
     "state_bytes",
     "sum_over",

@@ -7,11 +7,10 @@ Megatron's pair, which PPMoE Algorithm 1 puts around an MoE layer:
 
 A replicated activation entering a region where every rank computes only part of the result goes through
 `copy_to` (each rank's input gradient is partial, so they are summed); the partial results leave through
-`reduce_from`. `scale_grad` (identity forward, gradient times a constant backward) lets a replicated value that
-is consumed inside such a region be counted once when its partial gradients are summed.
+`reduce_from`.
 
 `sum_grad_over(param, group)` sums a replicated parameter's partial gradient over the group in every backward pass
-(a routers' weight under PPMoE, Qwen3's per-head q/k norms under tensor parallelism).
+(Qwen3's per-head q/k norms under tensor parallelism).
 
 `count_collectives()` records every collective that runs under it, whichever API issued it (`dist.all_reduce`,
 DTensor's functional collectives, the backward pass), so tests and benchmarks can account for communication.
@@ -51,17 +50,6 @@ class _ReduceFrom(torch.autograd.Function):
         return grad, None
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.scale, None
-
-
 def copy_to(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; all-reduce (sum) of the gradient over `group` in backward."""
     if dist.get_world_size(group) == 1 or not (torch.is_grad_enabled() and x.requires_grad):
@@ -74,13 +62,6 @@ def reduce_from(x: torch.Tensor, group) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     return _ReduceFrom.apply(x, group)
-
-
-def scale_grad(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """Identity forward; gradient times `scale` in backward."""
-    if scale == 1 or not (torch.is_grad_enabled() and x.requires_grad):
-        return x
-    return _ScaleGrad.apply(x, scale)
 
 
 def sum_grad_over(param: torch.Tensor, group) -> None:

@@ -5,7 +5,7 @@ PPMoE (Pipeline-MoE, arXiv 2304.11414, Sec. 3.3, Algorithm 1): the experts of ev
 the tensor-parallel group (rank r holds experts [r*E/N, (r+1)*E/N)). Every rank holds the same hidden states and
 computes the same routing; each runs its own experts on the routes that reach them (the others get the sentinel id
 and are skipped: the index slice), and one all-reduce sums the partial outputs: the communication of a
-tensor-parallel dense FFN, plus the router weight's gradient [E, H].
+tensor-parallel dense FFN, plus the routing weights' gradient [T, K] in backward.
 
 - "ppmoe_ffn" (FFN slot): an MoE layer's dispatcher becomes a `PPMoEDispatcher`; a dense FFN gets
   "replicated_input".
@@ -29,7 +29,7 @@ from transformers.distributed.tensor_parallel import TensorParallelLayer
 
 from ..moe.experts import Experts
 from ..moe.layer import MoELayer, TokenDispatcher
-from .comm import copy_to, reduce_from, scale_grad, sum_grad_over
+from .comm import copy_to, reduce_from
 from .modules import ExpertParallel, ParallelModule, TensorParallel, become
 
 PPMOE = "ppmoe"
@@ -46,11 +46,10 @@ def local_routes(expert_ids, weights, first_expert: int, num_local_experts: int)
 
 class PPMoEExperts(EPImplementation):
     """Runs this rank's experts on the routes that reach them (the index slice: every other route goes nowhere
-    here). Our MoE layers (their `PPMoEDispatcher`) sum the ranks' outputs and input gradients themselves, once for
-    the router and the experts together. In any other MoE block (e.g. Transformers' own Qwen3-MoE, whose router sits
-    outside the experts) the experts do it: their inputs, the hidden states and the routing weights, sum their
-    gradients over the group and their output is summed, so the router gets whole gradients on every rank (the
-    communication of Transformers' "all_reduce" EP)."""
+    here). In our MoE layers their `PPMoEDispatcher` dispatches and combines around them; in any other MoE block
+    (e.g. Transformers' own Qwen3-MoE, whose router sits outside the experts) the experts do the same themselves:
+    their inputs, the hidden states and the routing weights, sum their gradients over the group and their output is
+    summed, so the router gets whole gradients on every rank (the communication of Transformers' "all_reduce" EP)."""
 
     needs_shared_batch = True
 
@@ -58,7 +57,7 @@ class PPMoEExperts(EPImplementation):
         super().__init__(experts, ep_mesh, tp_mesh)
         self.first_expert = ep_mesh.get_local_rank() * self.num_local_experts
         self.group = ep_mesh.get_group()
-        self.layer_combines = isinstance(experts, Experts)  # ours live in MoE layers, split by "ppmoe_ffn"
+        self.layer_combines = isinstance(experts, Experts)  # ours: their layer's PPMoEDispatcher does it
         become(
             experts, ExpertParallel, PPMOE, ep_mesh,
             first_expert=self.first_expert, num_global_experts=self.num_local_experts * ep_mesh.size(),
@@ -102,26 +101,25 @@ class ReplicatedRouterDispatcher(TokenDispatcher):
 
 class PPMoEDispatcher(TensorParallel, ReplicatedRouterDispatcher):
     """PPMoE's dispatcher over a tensor-parallel group (module docstring): the router replicated with one random
-    generator; when the experts are PPMoE-split (an `ExpertParallel` module with style "ppmoe"), the input enters
-    through `copy_to` (dispatch: every rank keeps every token, its experts take the routes that reach them), the
-    experts' partial output leaves through `reduce_from` (combine: one all-reduce), the router weight's gradient is
-    summed over the group and the values every rank computes alike (router losses and logits) get 1/N of it. Experts
-    reached otherwise (Transformers' all-to-all through its own entry point) get the tokens as they are."""
+    generator, so every rank computes the same routing; when the experts are PPMoE-split (an `ExpertParallel`
+    module with style "ppmoe"), dispatch hands them the tokens and routing weights through `copy_to` (every rank keeps
+    every token; their gradients, partial on each rank, are summed over the group) and combine sums the experts'
+    partial outputs with `reduce_from` (one all-reduce). The router's own gradients are whole on every rank, so its
+    weight stays replicated without a sum of its own. Experts reached otherwise (Transformers' all-to-all through its
+    own entry point) get the tokens as they are."""
 
-    def forward(self, layer, x, token_mask, compute_losses):
-        experts = layer.experts
-        if not (isinstance(experts, ExpertParallel) and experts.parallel_style == PPMOE):
-            return super().forward(layer, x, token_mask, compute_losses)
+    def dispatch(self, x, routing, experts):
+        if not _ppmoe_split(experts):
+            return super().dispatch(x, routing, experts)
         group = self.mesh.get_group()
-        sum_grad_over(layer.gate.weight, group)  # here, not at install: parameters may be replaced by loading
-        x = copy_to(x, group)  # every rank keeps every token; the input gradient is summed over the group
-        routing = self.route(layer.gate, x, token_mask, compute_losses)
-        out = experts(*self.dispatch(x, routing))  # this rank's experts, on the routes that reach them
-        n = dist.get_world_size(group)
-        scaled = {"router_logits": scale_grad(routing.router_logits, 1 / n)}
-        if routing.aux_loss is not None:
-            scaled.update(aux_loss=scale_grad(routing.aux_loss, 1 / n), z_loss=scale_grad(routing.z_loss, 1 / n))
-        return reduce_from(out, group), routing._replace(**scaled)  # one all-reduce
+        return copy_to(x, group), routing.expert_ids, copy_to(routing.weights, group).to(x.dtype)
+
+    def combine(self, out, routing, experts):
+        return reduce_from(out, self.mesh.get_group()) if _ppmoe_split(experts) else out
+
+
+def _ppmoe_split(experts) -> bool:
+    return isinstance(experts, ExpertParallel) and experts.parallel_style == PPMOE
 
 
 class AllToAllDispatcher(ParallelModule, ReplicatedRouterDispatcher):
@@ -152,7 +150,7 @@ class AllToAllWithDrops(AllToAllEP):
         return super().__call__(hidden_states, top_k_index, top_k_weights)
 
 
-def dispatch_all_to_all(model, ep_mesh) -> None:
+def use_all_to_all_dispatchers(model, ep_mesh) -> None:
     """Give every MoE layer of `model` whose experts run `AllToAllWithDrops` an `AllToAllDispatcher` (keeping the
     shared router seed of the PPMoE dispatcher a tensor-parallel plan gave it)."""
     for layer in model.modules():

@@ -13,6 +13,8 @@ docs/parallel.md says why FSDP2 rather than Transformers' or Accelerate's FSDP.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -75,12 +77,18 @@ def _reduced_over(grad) -> tuple:
 
 
 @torch.no_grad()
-def clip_grad_norm_(parameters, max_norm: float, *, norm_parameters=None, group=None) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_` for parameters split by any layout here: plain tensors, tensor-parallel and
-    FSDP DTensors (each gradient's local sum of squares, summed over the groups its shards span: one all-reduce per
-    kind of placement, not per parameter), and pipeline stages (`group`: the squares also summed over it).
-    `norm_parameters` (default: `parameters`) are those the norm counts (a parameter several stages hold, once);
-    every gradient in `parameters` is scaled. No host sync. Returns the norm before clipping."""
+def clip_grad_norm_(
+    parameters, max_norm: float, norm_type: float = 2.0, *, norm_parameters=None, group=None
+) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_` (its arguments and result; the 2-norm only) for parameters split by any
+    layout here: plain tensors, tensor-parallel and FSDP DTensors (each gradient's local sum of squares, summed over
+    the groups its shards span: one all-reduce per kind of placement, not per parameter), and pipeline stages
+    (`group`: the squares also summed over it). `norm_parameters` (default: `parameters`) are those the norm counts (a
+    parameter several stages hold, once); every gradient in `parameters` is scaled (`max_norm=math.inf`: none). No
+    host sync. Returns the norm before clipping."""
+    if float(norm_type) != 2.0:
+        raise ValueError(f"norm_type={norm_type}: hf_ppmoe.parallel.clip_grad_norm_ computes the 2-norm only.")
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else parameters
     parameters = [p for p in parameters if p.grad is not None]
     counted = parameters if norm_parameters is None else [p for p in norm_parameters if p.grad is not None]
     device = parameters[0].grad.device if parameters else torch.device("cpu")
@@ -97,7 +105,7 @@ def clip_grad_norm_(parameters, max_norm: float, *, norm_parameters=None, group=
     if group is not None:
         dist.all_reduce(squares, group=group)
     total = squares.sqrt()
-    if max_norm:
+    if not math.isinf(max_norm):
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)  # as torch.nn.utils.clip_grad_norm_
         torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters], scale)
     return total

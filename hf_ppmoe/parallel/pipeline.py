@@ -23,7 +23,7 @@ from transformers.loss.loss_utils import ForMaskedLMLoss
 from ..modeling.stages import cut_stack, is_held
 from ..modeling.loss import is_target, lm_targets, num_target_tokens
 from ..moe.layer import MoELayer
-from ..moe.losses import router_loss
+from ..moe.losses import mean_over_layers, router_loss
 from .tensor_parallel import parallelize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
@@ -76,14 +76,9 @@ class _Stage(nn.Module):
         of this stage's MoE layers in that stack); a stack's aux/z losses average over those layers, the model's
         over all of its MoE layers."""
         config = self.model.config
-        parts = [
-            (n / self.num_moe_layers * out.aux_loss, n / self.num_moe_layers * out.z_loss)
-            for out, n in stacks
-            if out.aux_loss is not None
-        ]
-        if not parts:  # no MoE layers here, or forward only (no gradients: no router losses)
+        aux, z = mean_over_layers([(out.aux_loss, out.z_loss, n) for out, n in stacks], self.num_moe_layers)
+        if aux is None:  # no MoE layers here, or forward only (no gradients: no router losses)
             return hidden
-        aux, z = sum(a for a, _ in parts), sum(z for _, z in parts)
         self.router_losses.append(torch.stack([aux, z]).detach())
         return _RouterLossGrad.apply(hidden, router_loss(config, aux, z), self.router_loss_grad_scale)
 

@@ -24,7 +24,7 @@ from ..modeling.parallel_hooks import tied_head_kept
 from ..moe.layer import MoELayer, TokenDispatcher
 from ..utils.transformers_private import record_split, resolve_parallel_plans
 from .comm import sum_grad_over
-from .expert_parallel import ALL_TO_ALL, PPMoEDispatcher, dispatch_all_to_all, share_router_generator
+from .expert_parallel import ALL_TO_ALL, PPMoEDispatcher, share_router_generator, use_all_to_all_dispatchers
 from .modules import become, show_plan
 
 
@@ -160,7 +160,7 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
             show_plan(model, tp_plan, mesh)
         if ep_size != size:
             apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
-            dispatch_all_to_all(model, ep)
+            use_all_to_all_dispatchers(model, ep)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
     record_split(model, config, mesh, size)
     return model

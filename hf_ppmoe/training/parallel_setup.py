@@ -108,7 +108,7 @@ def clip_gradients(model, max_norm: float, dp: DataParallelGroup, pipe: Pipeline
         shared = pipe.module.shared_parameters().items()
         repeated = {id(p) for key, p in shared if pipe.holders[key][0] != pipe.rank}
         counted, group = [p for p in params if id(p) not in repeated], pipe.group
-    return parallel.clip_grad_norm_(params, max_norm, norm_parameters=counted, group=group)
+    return parallel.clip_grad_norm_(params, max_norm or math.inf, norm_parameters=counted, group=group)
 
 
 def gather_model(model, dp: DataParallelGroup, pipe: Pipeline | None = None):
