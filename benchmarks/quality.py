@@ -104,8 +104,8 @@ def build(s: Setting, tokenizer, arm: str, seed: int):
 
 
 def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[int], arms: list[str]) -> list[str]:
-    """Train every missing (arm, seed) of `arms` and the upcycling pair, saving each into `results_path` as it
-    finishes; returns the keys trained by this call."""
+    """Train every missing (arm, seed) of `arms`, and the upcycling pair when `arms` has the dense arm, saving each
+    into `results_path` as it finishes; returns the keys trained by this call."""
     data = corpus(s, work)
     stats = {k: v for k, v in data["stats"].items() if not k.endswith("_files")}
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
@@ -145,7 +145,8 @@ def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[i
             fit(f"{arm}/{seed}", model, s.steps, seed)
             if arm == "dense":
                 model.save_pretrained(work / f"{name}-dense-{seed}")
-        if not all(f"{arm}/{seed}" in results["runs"] for arm in UPCYCLE_ARMS):
+        # the upcycling pair continues this seed's dense arm: it runs with the dense arm (not beside other arms only)
+        if "dense" in arms and not all(f"{arm}/{seed}" in results["runs"] for arm in UPCYCLE_ARMS):
             checkpoint = work / f"{name}-dense-{seed}"
             if not checkpoint.exists():  # results cached but the checkpoint gone (another machine): train it again
                 model = build(s, data["tokenizer"], "dense", seed)

@@ -78,6 +78,9 @@ def test_smoke_run_end_to_end_and_resume(quality, tmp_path, monkeypatch):
     assert runs["upcycle_moe/0"]["logit_gap"] < 1e-4
 
     assert quality.main(args) == [], "a rerun finds every run in the results file"
+    # arms without the dense one (the balancing arms): no upcycling pair, which continues the dense arm
+    assert quality.main([*args, "--arms", "switch", "--seeds", "2"]) == ["switch/1"]
+    runs = json.loads(results.read_text())["runs"]
     results.with_suffix(".md").unlink()
     assert quality.main([*args, "--report"]) == [] and results.with_suffix(".md").exists()
     assert json.loads(results.read_text())["runs"] == runs
