@@ -10,6 +10,7 @@ EXPORT_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "switch_transformers": "SwitchTransformersForConditionalGeneration",
 }
 

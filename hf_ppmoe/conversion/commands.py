@@ -227,7 +227,7 @@ def run_export(args: ExportArguments) -> Path:
 COMMANDS = {
     "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, T5) into an MoE model."),
     "merge": (MergeArguments, run_merge, "Merge an MoE model's experts back into its dense architecture."),
-    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Qwen3-MoE, Switch Transformers) into our classes."),
+    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Qwen3-MoE, GLM-4-MoE, Switch Transformers) into our classes."),
     "export": (ExportArguments, run_export, "Export a GPT-MoE / Seq2Seq-MoE to Transformers' own MoE class where it "
                "fits exactly (else the list of reasons)."),
 }

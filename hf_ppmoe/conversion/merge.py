@@ -106,11 +106,11 @@ def merge_experts(
         )
     if record["dense_config"] is None:
         imported = (record.get("imported_from") or {}).get("model_type", "MoE")
-        raise ConversionError(
-            f"this model was imported from a {imported} checkpoint that has no dense twin: its dense layers "
-            f"(intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
-            f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size."
-        )
+        why = "merge_experts has no dense class to write it as"
+        if config.moe_intermediate_size not in (None, config.intermediate_size):
+            why = (f"its dense layers (intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
+                   f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size")
+        raise ConversionError(f"this model was imported from a {imported} checkpoint that has no dense twin: {why}.")
     scale = record.get("expert_output_scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ConversionError(

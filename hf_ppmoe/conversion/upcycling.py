@@ -1,4 +1,5 @@
-"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Qwen3-MoE, Switch Transformers) into our classes.
+"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Qwen3-MoE, GLM-4-MoE, Switch Transformers) into
+our classes.
 
 Legend: E experts, K routes per token, H hidden, I FFN inner size.
 
@@ -47,7 +48,7 @@ def moe_config_loader(reader: str):
         if model_type not in MODEL_CLASSES:
             raise ConversionError(
                 f"{folder} holds a {model_type!r} model; {reader} reads GPT-MoE and Seq2Seq-MoE checkpoints "
-                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). A Mixtral, Qwen3-MoE or Switch Transformers checkpoint: import it first (hf-ppmoe import SRC OUT; "
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). A Mixtral, Qwen3-MoE, GLM-4-MoE or Switch Transformers checkpoint: import it first (hf-ppmoe import SRC OUT; "
                 "in Python, import_moe)."
             )
         return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
@@ -435,9 +436,11 @@ def import_moe(
 ) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
     """Import an MoE checkpoint (a model object or a folder / Hub id) into our classes: same weights, same routing,
     equal logits. Mixtral and Qwen3-MoE become a GPT-MoE with a "topk" gate (Qwen3-MoE with qk_norm, its dense layers
-    and expert size), Switch Transformers a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its
-    expert_capacity). `merge_experts` turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM,
-    T5ForConditionalGeneration; none for a Qwen3-MoE whose dense layers and experts differ in size). Returns the model,
+    and expert size), GLM-4-MoE a GPT-MoE with a sigmoid "topk" gate (its score-correction bias as expert_bias, its
+    groups, scaling factor, dense layers and shared experts; only with partial_rotary_factor=1.0), Switch Transformers
+    a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its expert_capacity). `merge_experts`
+    turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM, T5ForConditionalGeneration; none for
+    a Qwen3-MoE whose dense layers and experts differ in size, nor for a GLM-4-MoE). Returns the model,
     or writes it to `save_directory` and returns the path (as `upcycle`)."""
     checkpoint, arch, names = _dense_checkpoint(moe, moe=True)
     config = _moe_config(arch, arch.fields(checkpoint.config, names), config_overrides)
