@@ -285,70 +285,47 @@ class Slices(Op):
     """A dense FFN weight -> [g, ...]: its g equal slices along the inner dimension `dim`, stacked (fine-grained
     upcycling, arXiv 2410.07524: the g slices' outputs sum to the FFN's). `blocks` stacked parts ([gate; up]) are
     sliced alike: slice p is [gate_p; up_p]. dim None (a down-projection bias, which every slice's output adds): g
-    copies of bias / g. Inverse: `Unslice`."""
+    copies of bias / g. `join`: the inverse, [g, ...] -> the slices joined (the biases summed)."""
 
     granularity: int
     dim: int | None
     blocks: int = 1
+    join: bool = False
 
     def __call__(self, xs):
         (x,) = xs
         g = self.granularity
+        if self.join and x.shape[0] != g:
+            raise ConversionError(f"expected {g} slices, got a tensor of shape {shape_str(x)}")
         if self.dim is None:
-            return [_in_float64(x, lambda v: v / g).unsqueeze(0).expand(g, *x.shape)]
+            return [_in_float64(x, lambda v: v.sum(0))] if self.join else [
+                _in_float64(x, lambda v: v / g).unsqueeze(0).expand(g, *x.shape)]
+        if self.join:
+            return Concat(self.dim, g, self.blocks)(list(x.unbind(0)))
         return [torch.stack(Split(self.dim, g, self.blocks)([x]))]
 
     def inverse(self):
-        return Unslice(self.granularity, self.dim, self.blocks)
-
-
-@dataclass(frozen=True)
-class Unslice(Op):
-    """[g, ...] -> the dense weight: the g slices joined along `dim` (dim None: the biases summed)."""
-
-    granularity: int
-    dim: int | None
-    blocks: int = 1
-
-    def __call__(self, xs):
-        (x,) = xs
-        if x.shape[0] != self.granularity:
-            raise ConversionError(f"expected {self.granularity} slices, got a tensor of shape {shape_str(x)}")
-        if self.dim is None:
-            return [_in_float64(x, lambda v: v.sum(0))]
-        return Concat(self.dim, self.granularity, self.blocks)(list(x.unbind(0)))
-
-    def inverse(self):
-        return Slices(self.granularity, self.dim, self.blocks)
+        return Slices(self.granularity, self.dim, self.blocks, not self.join)
 
 
 @dataclass(frozen=True)
 class FlattenExperts(Op):
     """[C, g, ...] -> [C * g, ...]: C copies of g slices as C * g experts, expert e = slice e % g of copy e // g.
-    Inverse: `UnflattenExperts`."""
+    `unflatten`: the inverse."""
 
     granularity: int
+    unflatten: bool = False
 
     def __call__(self, xs):
         (x,) = xs
-        return [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])]
-
-    def inverse(self):
-        return UnflattenExperts(self.granularity)
-
-
-@dataclass(frozen=True)
-class UnflattenExperts(Op):
-    granularity: int
-
-    def __call__(self, xs):
-        (x,) = xs
+        if not self.unflatten:
+            return [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])]
         if x.shape[0] % self.granularity:
             raise ConversionError(f"{x.shape[0]} experts are not copies of {self.granularity} slices each")
         return [x.reshape(x.shape[0] // self.granularity, self.granularity, *x.shape[1:])]
 
     def inverse(self):
-        return FlattenExperts(self.granularity)
+        return FlattenExperts(self.granularity, not self.unflatten)
 
 
 @dataclass(frozen=True)

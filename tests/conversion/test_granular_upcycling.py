@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from converters import SAMPLE_TEXTS, assert_same_outputs, input_ids, read_tensors, tokenizer
+from converters import SAMPLE_TEXTS, assert_same_outputs, assert_same_seq2seq_outputs, input_ids, read_tensors, tokenizer
 from transformers import AutoModelForCausalLM
 
 from hf_ppmoe import GPTMoEForCausalLM
@@ -45,6 +45,14 @@ def test_granular_upcycle_equals_dense(dense, arch, g, k):
     assert_same_outputs(model, moe, ids)
     original, merged = model.state_dict(), merge_experts(moe).state_dict()  # the slices joined, the copies averaged
     assert all(torch.equal(merged[name], value) for name, value in original.items() if name in merged)
+
+
+def test_granular_t5_equals_it_and_merges_back(dense):
+    t5, folder = dense("t5-v1.1")  # gated GELU FFNs in both stacks
+    moe = _granular(folder, 2, 2)
+    assert_same_seq2seq_outputs(t5, moe)
+    merged = merge_experts(moe).state_dict()
+    assert all(torch.equal(merged[k], v) for k, v in t5.state_dict().items() if k in merged)
 
 
 def test_experts_are_the_slices_of_the_dense_ffn(dense):
