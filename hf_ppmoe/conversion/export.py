@@ -212,7 +212,7 @@ def _glm4_moe_reasons(c) -> list[str]:
     if c.router_score_function != "sigmoid":
         reasons.append(f"router_score_function={c.router_score_function!r}; {label} scores each expert with "
                        "sigmoid(W x) on its own (router_score_function='sigmoid')")
-    if N > 1 and E // N < 2:
+    if E // N < 2:  # all E experts are one group for N = 1
         reasons.append(f"num_expert_groups={N} makes groups of one expert; {label} scores a group by the sum of its "
                        "two best experts, so a group needs 2 or more")
     if _glm4_moe_first_dense(c) is None:
