@@ -18,8 +18,8 @@ COMMANDS = {
     "train": "Train or fine-tune a causal LM (data / tensor / expert / pipeline parallel): hf-ppmoe train --help.",
     "upcycle": "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3; T5) into an MoE model: hf-ppmoe upcycle SRC OUT.",
     "merge": "Merge an MoE model's experts back into its dense architecture: hf-ppmoe merge SRC OUT.",
-    "import": "Import an MoE checkpoint (Mixtral, Qwen3-MoE; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
-    "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
+    "import": "Import an MoE checkpoint (Mixtral, Qwen3-MoE, GLM-4-MoE; Switch Transformers) into our classes: hf-ppmoe import SRC OUT.",
+    "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
     "serve": "OpenAI-compatible server (Transformers' own, continuous batching) for a saved model: hf-ppmoe serve MODEL.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
 }

@@ -59,6 +59,14 @@ def dense_config(arch: str):
     if arch == "qwen3_moe":  # layer 0 dense (mlp_only_layers), layers 1-2 MoE with smaller experts, weights not renormalised
         return Qwen3MoeConfig(**(qwen3 | dict(num_hidden_layers=3)), num_experts=4, num_experts_per_tok=2,
                               moe_intermediate_size=24, mlp_only_layers=[0], norm_topk_prob=False)
+    if arch == "glm4_moe":  # layer 0 dense; 4 groups of 2 experts, the best 2 groups; a shared expert; q/k/v biases
+        from transformers import Glm4MoeConfig
+
+        return Glm4MoeConfig(**(rotary | dict(num_hidden_layers=3)), head_dim=16, moe_intermediate_size=24,
+                             n_routed_experts=8, num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2,
+                             routed_scaling_factor=2.5, first_k_dense_replace=1, norm_topk_prob=True,
+                             attention_bias=True, use_qk_norm=True, num_mtp_layers=0,
+                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=1.0))
     raise ValueError(arch)
 
 

@@ -1,7 +1,7 @@
 """Checkpoint converters: dense -> MoE (`upcycle`), MoE -> dense (`merge_experts`),
-MoE imports (`import_moe`), for decoders (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE <-> GPT-MoE;
+MoE imports (`import_moe`), for decoders (GPT-2, Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen3-MoE, GLM-4-MoE <-> GPT-MoE;
 architectures.py) and encoder-decoders (T5, Switch Transformers <-> Seq2Seq-MoE; t5.py); exports to Transformers' own
-MoE classes where a model fits one exactly (`export_moe`: Mixtral, Qwen2-MoE, Qwen3-MoE, Switch Transformers;
+MoE classes where a model fits one exactly (`export_moe`: Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, Switch Transformers;
 export.py). GPT-MoE <-> Megatron-LM weights: hf_ppmoe.megatron.
 
 Each conversion is a chain of declarative, reversible weight-name tables (`mapping.py`) applied lazily to a source

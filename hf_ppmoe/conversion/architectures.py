@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .mapping import Chain, Concat, ConversionError, Mapping, Rule, Split, Stack, Transpose, rename
+import torch
+
+from .mapping import Chain, Concat, ConversionError, Create, Drop, Mapping, Rule, Split, Stack, Transpose, rename
 from .t5 import T5_IGNORED, switch_dense_twin, switch_fields, switch_rules, t5_ffn_modules, t5_fields, t5_rules
 
 
@@ -113,7 +115,7 @@ def _gpt2_rules(c, _names=frozenset()) -> list[Rule]:
     return rules
 
 
-# ----------------------------------------------------------------- Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE
+# ------------------------------------------------------ Llama / Mistral / Qwen2 / Qwen3 / Mixtral / Qwen3-MoE / GLM-4-MoE
 
 
 def _rotary_fields(
@@ -328,6 +330,69 @@ def _qwen3_moe_dense_twin(c):
     return twin
 
 
+def glm4_moe_partial_rotary(c) -> float:
+    return (c.rope_parameters or {}).get("partial_rotary_factor", 1.0)
+
+
+def _glm4_moe_fields(c, _names=frozenset()):
+    """GLM-4-MoE: sigmoid scores, a score-correction bias that only chooses, group-limited top-k, scaled weights; its
+    first `first_k_dense_replace` layers dense; q/k/v biases only; shared experts n_shared_experts * expert size."""
+    if glm4_moe_partial_rotary(c) != 1.0:
+        raise ConversionError(
+            f"GLM-4-MoE with partial_rotary_factor={glm4_moe_partial_rotary(c)} (rope_parameters) is not supported: "
+            "GPT-MoE rotates the whole head (partial_rotary_factor=1.0)."
+        )
+    return dict(
+        _rotary_fields(c, attention_bias=c.attention_bias, attention_output_bias=False, mlp_bias=False,
+                       sliding_window=None, qk_norm=c.use_qk_norm),
+        moe_intermediate_size=c.moe_intermediate_size,
+        shared_expert_intermediate_size=c.n_shared_experts * c.moe_intermediate_size,
+        num_experts=c.n_routed_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        router_type="topk",
+        router_score_function="sigmoid",
+        router_expert_bias=True,  # e_score_correction_bias, always there (zeros until trained)
+        norm_topk_prob=c.norm_topk_prob,
+        routed_scaling_factor=c.routed_scaling_factor,
+        num_expert_groups=c.n_group,
+        topk_expert_groups=c.topk_group,
+        capacity_factor=None,
+        eval_capacity_factor=None,
+        moe_layers=list(range(c.first_k_dense_replace, c.num_hidden_layers)),
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=0.0,  # GLM-4-MoE has no load-balancing loss (it balances with the bias)
+        router_z_loss_coef=0.0,
+        output_router_logits=c.output_router_logits,
+    )
+
+
+def _glm4_moe_rules(c, _names=frozenset(), dtype=torch.float32, expert_bias: bool = True):
+    """For the export of a model without a shared expert or selection bias (its inverse): `dtype`, that of the
+    width-0 shared experts (n_shared_experts=0) it creates; `expert_bias`=False: e_score_correction_bias created as
+    zeros."""
+    rules = [rename(n, n) for n in _llama_names(c, qkv_bias=c.attention_bias, o_bias=False, mlp_bias=False,
+                                                 dense_mlp=False, qk_norm=c.use_qk_norm)]
+    for i in range(c.num_hidden_layers):
+        m = f"model.layers.{i}.mlp."
+        if i < c.first_k_dense_replace:
+            rules += [rename(f"{m}{p}_proj.weight", f"{m}{p}_proj.weight") for p in ("gate", "up", "down")]
+            continue
+        rules += [
+            rename(m + "gate.weight", m + "gate.weight"),
+            rename(m + "gate.e_score_correction_bias", m + "gate.expert_bias") if expert_bias else
+            Rule((m + "gate.e_score_correction_bias",), (), Drop(Create(lambda: torch.zeros(c.n_routed_experts)))),
+            *expert_rules(m, m, "gate_proj", "up_proj", "down_proj"),
+        ]
+        shared = [f"{m}shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
+        if c.n_shared_experts:
+            rules += [rename(name, name.replace("shared_experts.", "shared_expert.")) for name in shared]
+        else:  # width 0 (its output is exactly zero): ours has no shared expert
+            H = c.hidden_size
+            rules += [Rule((name,), (), Drop(Create(lambda shape=shape: torch.zeros(shape, dtype=dtype))))
+                      for name, shape in zip(shared, ((0, H), (0, H), (H, 0)))]
+    return rules
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in [
@@ -346,6 +411,9 @@ ARCHITECTURES: dict[str, Architecture] = {
         Architecture("qwen3_moe", "Qwen3ForCausalLM", _qwen3_moe_fields, _qwen3_moe_rules,
                      _every_layer("model.layers.{i}.mlp"), moe_class="Qwen3MoeForCausalLM",
                      dense_twin=_qwen3_moe_dense_twin),
+        Architecture("glm4_moe", "LlamaForCausalLM", _glm4_moe_fields, _glm4_moe_rules,
+                     _every_layer("model.layers.{i}.mlp"), moe_class="Glm4MoeForCausalLM",
+                     dense_twin=lambda c: None),  # no merge: Llama, Qwen2 or Qwen3 fit only some of its attentions
         Architecture("switch_transformers", "T5ForConditionalGeneration", switch_fields, switch_rules, t5_ffn_modules,
                      "seq2seq_moe", base_prefix="", ignore=T5_IGNORED,
                      moe_class="SwitchTransformersForConditionalGeneration", dense_twin=switch_dense_twin),

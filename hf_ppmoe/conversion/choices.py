@@ -10,6 +10,7 @@ EXPORT_CLASSES = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "switch_transformers": "SwitchTransformersForConditionalGeneration",
 }
 
@@ -19,6 +20,36 @@ def default_experts_per_token(router_type: str, num_experts_per_tok: int | None)
     if num_experts_per_tok is not None:
         return num_experts_per_tok
     return 1 if router_type == "switch" else 2
+
+
+def granularity_problem(granularity, num_experts: int, copies_per_token: int, router_type: str, router_init: str,
+                        reinit_ratio: float) -> str | None:
+    """What keeps fine-grained upcycling (`granularity` g > 1) from giving the dense model's logits, in words naming
+    the fix, or None. The experts are num_experts / g copies of the FFN in g slices; a token takes
+    copies_per_token * g of them, whole copies when the router's rows are equal within each copy."""
+    g, E, k = granularity, num_experts, copies_per_token
+    if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        return f"granularity={g!r}: a positive integer (1, the default: every expert is a whole copy of the FFN)."
+    if g == 1:
+        return None
+    if E % g:
+        return (f"granularity={g} must divide num_experts={E}: the experts are num_experts / granularity copies of "
+                f"the FFN, each in {g} slices; use a multiple of {g}.")
+    if k * g > E:
+        return (f"num_experts_per_tok={k} copies per token take {k} * granularity = {k * g} experts, more than "
+                f"num_experts={E}; lower num_experts_per_tok or raise num_experts.")
+    if router_type != "topk":
+        return (f"granularity={g} needs router_type='topk', not {router_type!r}: switch and gshard route a fixed 1 or "
+                "2 experts per token and drop routes past capacity slice by slice, prototype routes within "
+                "prototypes, so a token would not take the slices of a copy together.")
+    if router_init == "zeros":
+        return (f"granularity={g} with router_init='zeros': every expert scores the same, so which {k * g} experts a "
+                "token takes depends on torch.topk's order among ties, not whole copies of the FFN; use "
+                "router_init='random' or 'hidden' (router rows equal within each copy: exact with norm_topk_prob=True).")
+    if reinit_ratio:
+        return (f"granularity={g} with reinit_ratio={reinit_ratio}: Drop-Upcycling of sliced experts is not built; "
+                "use one of the two (granularity=1, or reinit_ratio=0).")
+    return None
 
 
 def parse_size(size: int | str) -> int:

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .choices import EXPORT_CLASSES, MERGE_METHODS, ROUTER_INITS, default_experts_per_token, parse_size
+from .choices import (EXPORT_CLASSES, MERGE_METHODS, ROUTER_INITS, default_experts_per_token, granularity_problem,
+                      parse_size)
 
 
 def _help(text: str) -> dict:
@@ -57,6 +58,10 @@ class UpcycleArguments(_Output, _Paths):
     sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
     reinit_ratio: float = field(default=0.0, metadata=_help("Drop-Upcycling: share of each expert's FFN dimensions re-initialised (0: exact copies)."))
+    granularity: int = field(default=1, metadata=_help(
+        "Fine-grained upcycling (arXiv 2410.07524): experts are num_experts / g copies of the FFN cut into g slices "
+        "of its inner size; a token takes num_experts_per_tok copies (times g experts). Needs --router_init random "
+        "or hidden."))
     seed: int = field(default=0, metadata=_help("Seed for noise and random routers."))
     capacity_factor: float | None = field(default=None, metadata=_help("Training capacity factor (default: dropless)."))
     norm_topk_prob: bool = field(default=True, metadata=_help("topk gate: renormalize the top-k weights."))
@@ -79,13 +84,18 @@ class UpcycleArguments(_Output, _Paths):
             raise ValueError(f"--num_experts {self.num_experts} is fewer than the default --num_experts_per_tok "
                              f"{default_experts_per_token(self.router_type, None)} (routes per token); set "
                              "--num_experts_per_tok too.")
+        copies_per_token = default_experts_per_token(self.router_type, self.num_experts_per_tok)
+        problem = granularity_problem(self.granularity, self.num_experts, copies_per_token, self.router_type,
+                                      self.router_init, self.reinit_ratio)
+        if problem:
+            raise ValueError(problem)  # in upcycle's words: --granularity is granularity=, and so on
         if self.router_init == "hidden":
             _check_sample_texts(self)
         from ..modeling.configuration_gpt_moe import GPTMoEConfig
 
         GPTMoEConfig(
             num_experts=self.num_experts,
-            num_experts_per_tok=default_experts_per_token(self.router_type, self.num_experts_per_tok),
+            num_experts_per_tok=copies_per_token * self.granularity,
             router_type=self.router_type,
             moe_layer_frequency=self.moe_layer_frequency,
             capacity_factor=self.capacity_factor,
@@ -126,18 +136,21 @@ class ExportArguments(_Output, _Target, _Paths):
 
 
 def _check_sample_texts(args: UpcycleArguments) -> None:
-    """--router_init hidden reads one sample text per expert: refuse a missing file, or one with another number of
-    lines, before the source is read (a missing file is utils.paths' to name)."""
+    """--router_init hidden reads one sample text per expert (per copy of the FFN with --granularity): refuse a
+    missing file, or one with another number of lines, before the source is read (a missing file is utils.paths' to
+    name)."""
+    copies = args.num_experts // args.granularity
+    per = "expert" if args.granularity == 1 else f"copy of the FFN (--num_experts / --granularity {args.granularity})"
     if args.sample_file is None and not args.sample_texts:
-        raise ValueError(f"--router_init hidden needs --sample_file FILE with one line of text per expert "
-                         f"({args.num_experts} lines for --num_experts {args.num_experts}).")
+        raise ValueError(f"--router_init hidden needs --sample_file FILE with one line of text per {per} "
+                         f"({copies} lines for --num_experts {args.num_experts}).")
     if args.sample_file is not None and not Path(args.sample_file).is_file():
         return
     n = len(_texts(args) or [])
-    if n != args.num_experts:
+    if n != copies:
         given = f"--sample_file {args.sample_file} has {n} non-empty lines" if args.sample_file else f"{n} --sample_texts"
-        raise ValueError(f"--router_init hidden takes one sample text per expert: {given}, and --num_experts is "
-                         f"{args.num_experts}; give {args.num_experts} lines or set --num_experts {n}.")
+        raise ValueError(f"--router_init hidden takes one sample text per {per}: {given}, and --num_experts is "
+                         f"{args.num_experts}; give {copies} lines or set --num_experts {n * args.granularity}.")
 
 
 def _texts(args) -> list[str] | None:
@@ -170,6 +183,7 @@ def run_upcycle(args: UpcycleArguments) -> Path:
         sample_texts=_texts(args),
         noise_std=args.noise_std,
         reinit_ratio=args.reinit_ratio,
+        granularity=args.granularity,
         seed=args.seed,
         capacity_factor=args.capacity_factor,
         norm_topk_prob=args.norm_topk_prob,
@@ -227,7 +241,7 @@ def run_export(args: ExportArguments) -> Path:
 COMMANDS = {
     "upcycle": (UpcycleArguments, run_upcycle, "Turn a dense checkpoint (GPT-2, Llama, Mistral, Qwen2, Qwen3, T5) into an MoE model."),
     "merge": (MergeArguments, run_merge, "Merge an MoE model's experts back into its dense architecture."),
-    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Qwen3-MoE, Switch Transformers) into our classes."),
+    "import": (ImportArguments, run_import, "Import an MoE checkpoint (Mixtral, Qwen3-MoE, GLM-4-MoE, Switch Transformers) into our classes."),
     "export": (ExportArguments, run_export, "Export a GPT-MoE / Seq2Seq-MoE to Transformers' own MoE class where it "
                "fits exactly (else the list of reasons)."),
 }

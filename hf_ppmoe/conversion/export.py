@@ -3,7 +3,7 @@
 Legend: E experts, K routes per token, H hidden, I expert inner size.
 
 An exported folder loads with plain Transformers (no hf_ppmoe, no remote code) as `MixtralForCausalLM`,
-`Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM` or `SwitchTransformersForConditionalGeneration`, in the layout Transformers' own
+`Qwen2MoeForCausalLM`, `Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM` or `SwitchTransformersForConditionalGeneration`, in the layout Transformers' own
 `save_pretrained` writes (per-expert tensors, as on the Hub), and computes what our model computes: the same logits,
 and in training the same routing (no capacity, jitter or random routing that the target would do differently).
 
@@ -22,6 +22,15 @@ What each target computes (Transformers 5.24, `models/<name>/modeling_<name>.py`
   norm_topk_prob, no jitter) without a shared expert; biases on all of q, k, v, o or none (attention_bias); its
   attention RMS-normalises every query and key head over head_dim (q_norm, k_norm, eps rms_norm_eps) before the
   rotary embedding: GPT-MoE with qk_norm=True, and only with it.
+- GLM-4-MoE: DeepSeek-V3's router: scores sigmoid(W x) in float32; the experts chosen by scores +
+  e_score_correction_bias (our expert_bias; zeros for a model without one), weighted by the scores alone,
+  renormalised iff norm_topk_prob, times routed_scaling_factor; with n_group groups of E/n_group experts, a group
+  scored by the sum of its two best biased scores (as ours) and the choice limited to the topk_group best groups
+  (groups of one expert would fail in its topk(2)). Layers < first_k_dense_replace a gated dense MLP of
+  intermediate_size, all later ones MoE; shared experts n_shared_experts * moe_intermediate_size wide added
+  ungated (as ours; width 0 for none); q/k/v biases or none (attention_bias), no o_proj bias; optional per-head q/k
+  RMSNorm (use_qk_norm); no sliding window; rotary on partial_rotary_factor of each head (exported as 1.0: ours
+  rotates the whole head); no jitter, no load-balancing loss.
 - Switch Transformers: T5 v1.0's layout, top-1 router (softmax in float32, the expert weighted by its probability),
   sparse blocks where i % step == 1 (every block for step 1) with step = num_layers // num_sparse_layers per stack;
   `expert_capacity` tokens per expert and sequence, dropped past it in training and evaluation alike (exported as
@@ -47,7 +56,7 @@ from types import SimpleNamespace
 import torch
 
 from ..modeling import GPTMoEConfig, Seq2SeqMoEConfig
-from .architectures import ARCHITECTURES, _llama_names, expert_rules
+from .architectures import ARCHITECTURES, _glm4_moe_rules, _llama_names, expert_rules
 from .choices import EXPORT_CLASSES
 from .io import open_checkpoint
 from .mapping import ConversionError, Create, Mapping, Rule, Scale, rename
@@ -89,15 +98,28 @@ def _weighting(c, label: str) -> tuple[str | None, list[str]]:
     return None, [f"router_type={gate!r} is not a built-in gate; {label}'s router is a softmax top-k"]
 
 
-def _routing_reasons(c, label: str) -> list[str]:
-    """What every target needs of routing: dropless in training and evaluation, no jitter (Mixtral and Switch
-    multiply theirs into the hidden states the experts read too, the Qwen models have none)."""
-    reasons = [
+def _capacity_reasons(c, label: str) -> list[str]:
+    """Every target is dropless in training and evaluation."""
+    return [
         f"{name}={value}: ours drops routes past an expert's capacity ({when}); {label} is dropless"
         for name, when in (("capacity_factor", "training"), ("eval_capacity_factor", "evaluation"))
         if (value := getattr(c, name)) is not None
     ]
-    reasons += [
+
+
+def _jitter_reasons(c, label: str) -> list[str]:
+    """No target jitters as ours does: Mixtral and Switch multiply theirs into the hidden states the experts read
+    too, the Qwen and GLM models have none."""
+    if c.router_jitter_noise <= 0:
+        return []
+    target = f"{label} has no jitter" if label.startswith(("Qwen", "GLM")) else (
+        f"{label} multiplies the hidden states the experts also read")
+    return [f"router_jitter_noise={c.router_jitter_noise}: ours jitters only the router's input; {target}"]
+
+
+def _routing_reasons(c, label: str) -> list[str]:
+    """What the softmax top-k targets (Mixtral, Qwen, Switch) need of routing."""
+    softmax = [
         f"{name}={value!r}: {what}; {label}'s router is a softmax top-k with neither"
         for name, default, what in (
             ("router_score_function", "softmax", "sigmoid scores"),
@@ -107,13 +129,7 @@ def _routing_reasons(c, label: str) -> list[str]:
         )
         if (value := getattr(c, name, default)) != default
     ]
-    if c.router_jitter_noise > 0:
-        reasons.append(
-            f"router_jitter_noise={c.router_jitter_noise}: ours jitters only the router's input; "
-            + (f"{label} has no jitter" if label.startswith("Qwen") else f"{label} multiplies the hidden states the "
-               "experts also read")
-        )
-    return reasons
+    return _capacity_reasons(c, label) + softmax + _jitter_reasons(c, label)
 
 
 def _decoder_reasons(c, label: str, bias_reason: str | None, qk_norm: bool = False) -> list[str]:
@@ -180,6 +196,36 @@ def _qwen3_moe_reasons(c) -> list[str]:
     if c.attention_bias != c.attention_output_bias:
         bias_reason = f"attention biases ({_biases(c)}); {label} has biases on all of q, k, v, o or on none"
     return reasons + _routing_reasons(c, label) + _decoder_reasons(c, label, bias_reason, qk_norm=True)
+
+
+def _glm4_moe_first_dense(c) -> int | None:
+    """first_k_dense_replace for which GLM-4-MoE has exactly our MoE layers (layers k.. MoE, 0..k-1 dense), or None."""
+    moe = _gpt_moe_layers(c)
+    k = moe.index(True) if True in moe else len(moe)
+    return k if all(moe[k:]) else None
+
+
+def _glm4_moe_reasons(c) -> list[str]:
+    label = "GLM-4-MoE"
+    _, reasons = _weighting(c, label)
+    E, N, I = c.num_experts, c.num_expert_groups, _expert_size(c)
+    if c.router_score_function != "sigmoid":
+        reasons.append(f"router_score_function={c.router_score_function!r}; {label} scores each expert with "
+                       "sigmoid(W x) on its own (router_score_function='sigmoid')")
+    if E // N < 2:  # all E experts are one group for N = 1
+        reasons.append(f"num_expert_groups={N} makes groups of one expert; {label} scores a group by the sum of its "
+                       "two best experts, so a group needs 2 or more")
+    if _glm4_moe_first_dense(c) is None:
+        reasons.append(f"MoE layers {[i for i, m in enumerate(_gpt_moe_layers(c)) if m]} of {c.num_hidden_layers}; "
+                       f"{label}'s first first_k_dense_replace layers are dense and every later one is MoE")
+    if c.shared_expert_intermediate_size % I:
+        reasons.append(f"shared_expert_intermediate_size={c.shared_expert_intermediate_size} is not a multiple of the "
+                       f"expert size {I}; {label}'s shared experts are n_shared_experts * moe_intermediate_size wide")
+    if c.sliding_window is not None:
+        reasons.append(f"sliding_window={c.sliding_window}; {label} attends to every earlier position")
+    bias_reason = f"an o_proj bias ({_biases(c)}); {label} has q/k/v biases only" if c.attention_output_bias else None
+    return (reasons + _capacity_reasons(c, label) + _jitter_reasons(c, label)
+            + _decoder_reasons(c, label, bias_reason, qk_norm=c.qk_norm))  # use_qk_norm is ours
 
 
 def _switch_sparse_count(moe: list[bool]) -> int | None:
@@ -320,6 +366,29 @@ def _qwen3_moe_config(c):
     return Qwen3MoeConfig(**_qwen_moe_fields(c), attention_bias=c.attention_bias, sliding_window=c.sliding_window)
 
 
+def _glm4_moe_config(c):
+    from transformers import Glm4MoeConfig
+
+    I = _expert_size(c)
+    fields = _decoder_fields(c)
+    fields["rope_parameters"]["partial_rotary_factor"] = 1.0  # ours rotates the whole head; GLM's default is half
+    return Glm4MoeConfig(
+        **fields,
+        intermediate_size=c.intermediate_size,
+        moe_intermediate_size=I,
+        n_routed_experts=c.num_experts,
+        n_shared_experts=c.shared_expert_intermediate_size // I,
+        norm_topk_prob=_weighting(c, "")[0] == "renormalized",
+        routed_scaling_factor=c.routed_scaling_factor,
+        n_group=c.num_expert_groups,
+        topk_group=c.topk_expert_groups or c.num_expert_groups,
+        first_k_dense_replace=_glm4_moe_first_dense(c),
+        attention_bias=c.attention_bias,
+        use_qk_norm=c.qk_norm,
+        num_mtp_layers=0,  # no multi-token-prediction layers
+    )
+
+
 def _switch_config(c):
     from transformers import SwitchTransformersConfig
 
@@ -363,10 +432,10 @@ def _switch_config(c):
 def _imported(model_type: str) -> Callable:
     """The export table of a target we also import: its import table (architectures.py), inverted."""
     arch = ARCHITECTURES[model_type]
-    return lambda target_config, names, dtype: arch.mapping(target_config, names).inverse()
+    return lambda ours, target_config, names, dtype: arch.mapping(target_config, names).inverse()
 
 
-def _qwen2_moe_mapping(c, names, dtype) -> Mapping:
+def _qwen2_moe_mapping(ours, c, names, dtype) -> Mapping:
     """GPT-MoE names -> Qwen2-MoE names (as Transformers saves them: one tensor per expert)."""
     H, E = c.hidden_size, c.num_experts
     rules = [rename(n, n) for n in _llama_names(c, qkv_bias=c.qkv_bias, o_bias=False, mlp_bias=False, dense_mlp=False)]
@@ -390,14 +459,21 @@ def _qwen2_moe_mapping(c, names, dtype) -> Mapping:
     return Mapping(rules, num_layers=c.num_hidden_layers, num_experts=E)
 
 
+def _glm4_moe_mapping(ours, c, names, dtype) -> Mapping:
+    """The import table inverted; a model without a selection bias gets GLM's e_score_correction_bias as zeros (its
+    choice is then the scores' own), one without a shared expert GLM's of width 0 (`dtype`)."""
+    rules = _glm4_moe_rules(c, names, dtype, expert_bias=ours.router_expert_bias)
+    return Mapping(rules, num_layers=c.num_hidden_layers, num_experts=c.n_routed_experts).inverse()
+
+
 # ---------------------------------------------------------------------------------------------------- targets
 
 
 @dataclass(frozen=True)
 class Target:
     """A Transformers MoE class to export to. `reasons(config)` lists what of our config it cannot express (empty:
-    it fits exactly); `config` builds its config; `mapping(target_config, target_names, dtype)` maps our tensor names
-    to its."""
+    it fits exactly); `config` builds its config; `mapping(config, target_config, target_names, dtype)` maps our
+    tensor names to its (`dtype`: of the tensors it creates)."""
 
     name: str  # `to=` / `--to`: the target's model_type
     family: str  # the model_type of the models it takes
@@ -416,6 +492,8 @@ TARGETS: dict[str, Target] = {
                _qwen2_moe_mapping),
         Target("qwen3_moe", GPTMoEConfig.model_type, EXPORT_CLASSES["qwen3_moe"], _qwen3_moe_reasons, _qwen3_moe_config,
                _imported("qwen3_moe")),
+        Target("glm4_moe", GPTMoEConfig.model_type, EXPORT_CLASSES["glm4_moe"], _glm4_moe_reasons, _glm4_moe_config,
+               _glm4_moe_mapping),
         Target("switch_transformers", Seq2SeqMoEConfig.model_type, EXPORT_CLASSES["switch_transformers"],
                _switch_reasons, _switch_config, _imported("switch_transformers")),
     ]
@@ -457,7 +535,8 @@ def export_moe(
 ):
     """Export a GPT-MoE or Seq2Seq-MoE (a model object or a folder written by save_pretrained / upcycle /
     import_moe) to Transformers' own class `to`: "mixtral" (MixtralForCausalLM), "qwen2_moe" (Qwen2MoeForCausalLM),
-    "qwen3_moe" (Qwen3MoeForCausalLM) or "switch_transformers" (SwitchTransformersForConditionalGeneration).
+    "qwen3_moe" (Qwen3MoeForCausalLM), "glm4_moe" (Glm4MoeForCausalLM) or "switch_transformers"
+    (SwitchTransformersForConditionalGeneration).
 
     Only a model the target computes exactly is exported; otherwise `ConversionError` lists every reason
     (`export_reasons` gives the list without raising). Returns the target model, or writes the folder there (sharded
@@ -491,7 +570,7 @@ def export_moe(
     meta = ours.meta()
     dtype = meta.get(next(k for k in meta.keys() if meta.get(k).is_floating_point())).dtype  # of created tensors
     return deliver(
-        target.mapping(target_config, names, dtype).apply(ours),
+        target.mapping(config, target_config, names, dtype).apply(ours),
         target_config,
         model_class,
         checkpoint,

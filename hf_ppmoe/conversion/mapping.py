@@ -281,6 +281,54 @@ class Replicate(Op):
 
 
 @dataclass(frozen=True)
+class Slices(Op):
+    """A dense FFN weight -> [g, ...]: its g equal slices along the inner dimension `dim`, stacked (fine-grained
+    upcycling, arXiv 2410.07524: the g slices' outputs sum to the FFN's). `blocks` stacked parts ([gate; up]) are
+    sliced alike: slice p is [gate_p; up_p]. dim None (a down-projection bias, which every slice's output adds): g
+    copies of bias / g. `join`: the inverse, [g, ...] -> the slices joined (the biases summed)."""
+
+    granularity: int
+    dim: int | None
+    blocks: int = 1
+    join: bool = False
+
+    def __call__(self, xs):
+        (x,) = xs
+        g = self.granularity
+        if self.join and x.shape[0] != g:
+            raise ConversionError(f"expected {g} slices, got a tensor of shape {shape_str(x)}")
+        if self.dim is None:
+            return [_in_float64(x, lambda v: v.sum(0))] if self.join else [
+                _in_float64(x, lambda v: v / g).unsqueeze(0).expand(g, *x.shape)]
+        if self.join:
+            return Concat(self.dim, g, self.blocks)(list(x.unbind(0)))
+        return [torch.stack(Split(self.dim, g, self.blocks)([x]))]
+
+    def inverse(self):
+        return Slices(self.granularity, self.dim, self.blocks, not self.join)
+
+
+@dataclass(frozen=True)
+class FlattenExperts(Op):
+    """[C, g, ...] -> [C * g, ...]: C copies of g slices as C * g experts, expert e = slice e % g of copy e // g.
+    `unflatten`: the inverse."""
+
+    granularity: int
+    unflatten: bool = False
+
+    def __call__(self, xs):
+        (x,) = xs
+        if not self.unflatten:
+            return [x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])]
+        if x.shape[0] % self.granularity:
+            raise ConversionError(f"{x.shape[0]} experts are not copies of {self.granularity} slices each")
+        return [x.reshape(x.shape[0] // self.granularity, self.granularity, *x.shape[1:])]
+
+    def inverse(self):
+        return FlattenExperts(self.granularity, not self.unflatten)
+
+
+@dataclass(frozen=True)
 class Merge(Op):
     """[E, ...] -> [...]: sum_e weights[e] * x[e] in float64 (a one-hot weight picks that expert's exact bits)."""
 

@@ -50,20 +50,22 @@ def expert_usage(model, sample_texts: list[str], tokenizer) -> dict[int, torch.T
     return counts
 
 
-def _merge_weights(method, config, ffns, expert, usage) -> dict[int, tuple[float, ...]]:
+def _merge_weights(method, config, ffns, expert, usage, granularity: int = 1) -> dict[int, tuple[float, ...]]:
+    """A weight per copy of the FFN (per expert, or per `granularity` consecutive experts: the slices of one copy)."""
     E = config.num_experts
+    C = E // granularity
     if method == "mean":
-        return {n: (1.0 / E,) * E for n in ffns}
+        return {n: (1.0 / C,) * C for n in ffns}
     if method == "expert":
         if not 0 <= expert < E:
             raise ConversionError(f"expert={expert} does not exist; the model has experts 0..{E - 1}")
-        return {n: tuple(float(e == expert) for e in range(E)) for n in ffns}
+        return {n: tuple(float(c == expert // granularity) for c in range(C)) for n in ffns}
     weights = {}
     for n, prefix in ffns.items():
         total = float(usage[n].sum())
         if total == 0:
             raise ConversionError(f"no sample token reached any expert of {prefix.rstrip('.')}; give more sample_texts")
-        weights[n] = tuple((usage[n] / total).tolist())
+        weights[n] = tuple((usage[n].view(C, granularity).sum(1) / total).tolist())
     return weights
 
 
@@ -86,6 +88,8 @@ def merge_experts(
 
     method: "mean" (mean of the experts), "usage" (mean weighted by how often the router picks each expert on
         `sample_texts`, tokenized with `tokenizer` or the folder's tokenizer), or "expert" (keep expert `expert`).
+    A fine-grained upcycle (granularity g) merges copy by copy: its g slices joined, "expert" keeps the copy that
+    expert `expert` is a slice of, "usage" weighs a copy by its slices' picks.
     Returns the dense model, or writes it to `save_directory` and returns the path.
     """
     if method not in MERGE_METHODS:
@@ -106,11 +110,11 @@ def merge_experts(
         )
     if record["dense_config"] is None:
         imported = (record.get("imported_from") or {}).get("model_type", "MoE")
-        raise ConversionError(
-            f"this model was imported from a {imported} checkpoint that has no dense twin: its dense layers "
-            f"(intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
-            f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size."
-        )
+        why = "merge_experts has no dense class to write it as"
+        if config.moe_intermediate_size not in (None, config.intermediate_size):
+            why = (f"its dense layers (intermediate_size={config.intermediate_size}) and experts (moe_intermediate_size="
+                   f"{config.moe_intermediate_size}) differ in size, and a dense model has one FFN size")
+        raise ConversionError(f"this model was imported from a {imported} checkpoint that has no dense twin: {why}.")
     scale = record.get("expert_output_scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ConversionError(
@@ -141,8 +145,9 @@ def merge_experts(
         usage = expert_usage(model, sample_texts, tokenizer)
         del model
 
-    weights = _merge_weights(method, config, ffns, expert, usage)
-    experts = experts_mapping(config, scale=scale, merge_weights=weights).inverse()
+    granularity = record.get("granularity", 1)  # fine-grained upcycling: copies of `granularity` slices each
+    weights = _merge_weights(method, config, ffns, expert, usage, granularity)
+    experts = experts_mapping(config, scale=scale, merge_weights=weights, granularity=granularity).inverse()
     dense_names = experts.apply(checkpoint.tensors)
     import transformers
 

@@ -1,4 +1,5 @@
-"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Qwen3-MoE, Switch Transformers) into our classes.
+"""dense -> MoE ("upcycling") and imports of MoE checkpoints (Mixtral, Qwen3-MoE, GLM-4-MoE, Switch Transformers) into
+our classes.
 
 Legend: E experts, K routes per token, H hidden, I FFN inner size.
 
@@ -14,6 +15,12 @@ A random or hidden-state router is exact only for gates that renormalise their w
 norm_topk_prob=True, gshard); for the others `upcycle` warns. Exactness also needs dropless evaluation
 (eval_capacity_factor=None, the default; capacity_factor only applies in training) and no noise. GShard's random
 routing only happens in training.
+
+Fine-grained upcycling (`granularity` g > 1) cuts each copy into g slices of the inner dimension, whose outputs sum
+to the FFN's. The router's rows are equal within a copy, so a token's g slices of a copy get the same weight and the
+top k * g routes are k whole copies (unless two copies' scores tie, which a random or hidden router makes
+vanishingly rare and a zero router makes certain: refused); the weights of all routes sum to g times those of the
+copies, so the down-projections are scaled by g / (that sum under a uniform router).
 """
 
 from __future__ import annotations
@@ -27,9 +34,10 @@ import torch
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM, Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
 from ..moe.gates import get_gate_class
 from .architectures import Architecture, get_architecture
-from .choices import ROUTER_INITS, default_experts_per_token
+from .choices import ROUTER_INITS, default_experts_per_token, granularity_problem
 from .io import Checkpoint, open_checkpoint, read_config_dict
-from .mapping import Chain, Concat, ConversionError, Create, Identity, Mapping, Op, Replicate, Rule, Scale, rename
+from .mapping import (Chain, Concat, ConversionError, Create, FlattenExperts, Identity, Mapping, Op, Replicate, Rule, Scale,
+                      Slices, rename)
 from .delivery import deliver
 
 
@@ -47,7 +55,7 @@ def moe_config_loader(reader: str):
         if model_type not in MODEL_CLASSES:
             raise ConversionError(
                 f"{folder} holds a {model_type!r} model; {reader} reads GPT-MoE and Seq2Seq-MoE checkpoints "
-                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). A Mixtral, Qwen3-MoE or Switch Transformers checkpoint: import it first (hf-ppmoe import SRC OUT; "
+                f"(model_type {' or '.join(map(repr, MODEL_CLASSES))}). A Mixtral, Qwen3-MoE, GLM-4-MoE or Switch Transformers checkpoint: import it first (hf-ppmoe import SRC OUT; "
                 "in Python, import_moe)."
             )
         return MODEL_CLASSES[model_type].config_class.from_pretrained(folder)
@@ -115,12 +123,15 @@ def experts_mapping(
     routers: dict | None = None,
     merge_weights: dict[int, tuple[float, ...]] | None = None,
     reinit_ratio: float = 0.0,
+    granularity: int = 1,
 ) -> Mapping:
-    """Dense FFN names -> MoE layer names for each MoE layer of `config` (`moe_ffns`): E copies of the FFN
-    (down-projection scaled by `scale`, optional noise, `reinit_ratio` of each expert's inner dimensions
-    re-initialised: `DropReinit`), and a router made by `routers[n]()`. The inverse merges the experts with
-    `merge_weights[n]` (uniform by default) and drops the router. Every other tensor passes through."""
-    E = config.num_experts
+    """Dense FFN names -> MoE layer names for each MoE layer of `config` (`moe_ffns`): E / g copies of the FFN, each
+    cut into g = `granularity` slices of its inner dimension (`Slices`; expert e = slice e % g of copy e // g; g = 1:
+    E whole copies), the down-projection scaled by `scale`, optional noise, `reinit_ratio` of each expert's inner
+    dimensions re-initialised (`DropReinit`), and a router made by `routers[n]()`. The inverse merges the copies with
+    `merge_weights[n]` (E / g weights, uniform by default), joins the slices and drops the router. Every other tensor
+    passes through."""
+    E, g = config.num_experts, granularity
     ins = ("gate_proj", "up_proj") if config.gated_mlp else ("up_proj",)
     fused = "gate_up_proj" if config.gated_mlp else "up_proj"
     join = Concat(0, len(ins)) if len(ins) > 1 else Identity()
@@ -128,22 +139,24 @@ def experts_mapping(
     for n, d in moe_ffns(config).items():
         w = merge_weights.get(n) if merge_weights else None
 
-        def copies(k: int, noise: float = noise_std) -> Replicate:
-            return Replicate(E, noise, seed=seed * 1_000_003 + 4 * n + k, merge_weights=w)
+        def copies(k: int, dim: int | None, noise: float = noise_std) -> Chain:
+            """[...] -> [E, ...]: the slices along `dim` (see `Slices`) of E / g copies."""
+            replicate = Replicate(E // g, noise, seed=seed * 1_000_003 + 4 * n + k, merge_weights=w)
+            return Chain(Slices(g, dim, len(ins) if dim == 0 else 1), replicate, FlattenExperts(g))
 
         make_router = routers[n] if routers else _no_router
         drop_seed = seed * 1_000_003 + 4 * n + 1_000
         drop_in = DropReinit(reinit_ratio, 0, len(ins), index_seed=drop_seed * 1_009, value_seed=drop_seed)
         drop_out = DropReinit(reinit_ratio, 1, 1, index_seed=drop_seed * 1_009, value_seed=drop_seed + 1)
         rules += [  # nn.Linear [out, in] -> experts [E, out, in]
-            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, copies(0), drop_in)),
-            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Scale(scale), copies(1), drop_out)),
+            Rule(tuple(f"{d}{p}.weight" for p in ins), (f"{d}experts.{fused}",), Chain(join, copies(0, 0), drop_in)),
+            rename(f"{d}down_proj.weight", f"{d}experts.down_proj", Chain(Scale(scale), copies(1, 1), drop_out)),
             Rule((), (f"{d}gate.weight",), Create(make_router)),
         ]
         if config.mlp_bias:  # biases are copied without noise
             rules += [
-                Rule(tuple(f"{d}{p}.bias" for p in ins), (f"{d}experts.{fused}_bias",), Chain(join, copies(2, 0.0))),
-                rename(f"{d}down_proj.bias", f"{d}experts.down_proj_bias", Chain(Scale(scale), copies(3, 0.0))),
+                Rule(tuple(f"{d}{p}.bias" for p in ins), (f"{d}experts.{fused}_bias",), Chain(join, copies(2, 0, 0.0))),
+                rename(f"{d}down_proj.bias", f"{d}experts.down_proj_bias", Chain(Scale(scale), copies(3, None, 0.0))),
             ]
     return Mapping(rules, num_experts=E, passthrough=True)
 
@@ -209,8 +222,8 @@ def _texts_per_expert(sample_texts, num_experts: int) -> list[list[str]]:
     if not sample_texts or len(sample_texts) != num_experts:
         n = len(sample_texts) if sample_texts else 0
         raise ConversionError(
-            f"router_init='hidden' needs sample_texts with one entry per expert (a text or a list of texts), "
-            f"{num_experts} in all; got {n}."
+            f"router_init='hidden' needs sample_texts with one entry per expert (a text or a list of texts; with "
+            f"granularity g, per copy of the FFN: num_experts / g), {num_experts} in all; got {n}."
         )
     return [[t] if isinstance(t, str) else list(t) for t in sample_texts]
 
@@ -261,13 +274,18 @@ def hidden_router_rows(model, modules: dict[int, str], sample_texts, tokenizer, 
     return {n: torch.stack(r).cpu() for n, r in rows.items()}
 
 
-def _routers(router_init, config, ffns, dtype, seed, checkpoint: Checkpoint, arch: Architecture, sample_texts, tokenizer):
+def _routers(router_init, config, ffns, dtype, seed, checkpoint: Checkpoint, arch: Architecture, sample_texts, tokenizer,
+             granularity: int = 1):
+    """{FFN number: () -> router [E, H]}: one row per copy of the FFN, repeated for its `granularity` slices (Megatron's
+    virtual groups: the slices of a copy score alike, so a top-k of k * granularity takes whole copies)."""
     E, H, std = config.num_experts, config.hidden_size, config.initializer_range
+    C = E // granularity  # copies of the FFN
     if router_init == "zeros":
         return {n: (lambda: torch.zeros(E, H, dtype=dtype)) for n in ffns}
     if router_init == "random":
         return {
-            n: (lambda n=n: (torch.randn(E, H, generator=torch.Generator().manual_seed(seed * 1_000_003 + n)) * std).to(dtype))
+            n: (lambda n=n: (torch.randn(C, H, generator=torch.Generator().manual_seed(seed * 1_000_003 + n)) * std)
+                .repeat_interleave(granularity, dim=0).to(dtype))
             for n in ffns
         }
     if tokenizer is None:
@@ -285,9 +303,9 @@ def _routers(router_init, config, ffns, dtype, seed, checkpoint: Checkpoint, arc
 
         model = getattr(transformers, arch.dense_class).from_pretrained(checkpoint.folder)
     modules = arch.ffn_modules(checkpoint.config)
-    rows = hidden_router_rows(model, {n: modules[n] for n in ffns}, sample_texts, tokenizer, E)
+    rows = hidden_router_rows(model, {n: modules[n] for n in ffns}, sample_texts, tokenizer, C)
     del model
-    return {n: (lambda r=rows[n]: r.to(dtype)) for n in ffns}
+    return {n: (lambda r=rows[n]: r.repeat_interleave(granularity, dim=0).to(dtype)) for n in ffns}
 
 
 # ------------------------------------------------------------------------------------------------- entry points
@@ -341,6 +359,7 @@ def upcycle(
     noise_std: float = 0.0,
     seed: int = 0,
     reinit_ratio: float = 0.0,
+    granularity: int = 1,
     save_directory: str | Path | None = None,
     max_shard_size: int | str = "5GB",
     overwrite: bool = False,
@@ -351,7 +370,8 @@ def upcycle(
     MoE layers of `num_experts` copies of the dense FFN: a causal LM (GPT-2, Llama, Mistral, Qwen2, Qwen3) into a GPT-MoE,
     a T5 (v1.0 or v1.1) into a Seq2Seq-MoE.
 
-    num_experts_per_tok: routes per token (default 1 for router_type="switch", else 2).
+    num_experts_per_tok: routes per token (default 1 for router_type="switch", else 2); with granularity g, copies of
+        the FFN per token (g times as many routes).
     moe_layer_frequency / moe_layers: every n-th FFN becomes MoE (layers n-1, 2n-1, ...), or the listed ones. For T5
         the frequency applies to each stack; choose per stack with the Seq2SeqMoEConfig fields encoder_moe_layers /
         decoder_moe_layers (lists, [] for none) or encoder_moe_layer_frequency / decoder_moe_layer_frequency.
@@ -364,6 +384,14 @@ def upcycle(
         rows of the in-projections and columns of the down-projection, a different draw per expert) is re-initialised
         from the dense weight's mean and std; 0 (default) keeps exact copies. The result no longer equals the dense
         model (every other tensor still is the dense one's).
+    granularity: fine-grained upcycling (He et al., arXiv 2410.07524; Megatron's --moe-upcycling-granularity) with
+        g > 1: the experts are num_experts / g copies of the FFN, each cut into g slices of its inner size F (rows of
+        the in-projections, columns of the down-projection): expert e is slice e % g of copy e // g, of size
+        moe_intermediate_size = F / g. A token takes num_experts_per_tok copies, num_experts_per_tok * g experts (the
+        config's num_experts_per_tok). The router's rows are equal within a copy, so the top-k takes whole copies, and
+        the down-projections are scaled by g: with router_type="topk", norm_topk_prob=True and router_init "random"
+        or "hidden" the model equals the dense one. Needs g dividing F and num_experts; refuses router_init="zeros"
+        (ties) and reinit_ratio > 0.
     config_overrides: any other field of the target config (capacity_factor, norm_topk_prob, experts_implementation,
         router_aux_loss_coef...).
 
@@ -375,18 +403,36 @@ def upcycle(
     if num_experts == 1:  # allowed (a test of the conversion itself), but no MoE: say so once
         warnings.warn("num_experts=1: every MoE layer has one expert, which every token takes, so the model computes "
                       "the dense model with a router added; upcycle to 2 or more experts for an MoE.", stacklevel=2)
-    checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
     num_experts_per_tok = default_experts_per_token(router_type, num_experts_per_tok)
+    problem = granularity_problem(granularity, num_experts, num_experts_per_tok, router_type, router_init, reinit_ratio)
+    if problem:
+        raise ConversionError(problem)
+    checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
+    fields = arch.fields(checkpoint.config, names)
+    sliced = {}
+    if granularity > 1:
+        F = fields["intermediate_size"]
+        if F % granularity:
+            raise ConversionError(f"granularity={granularity} must divide the dense FFN's inner size "
+                                  f"intermediate_size={F}; choose a divisor of {F}.")
+        sliced = dict(moe_intermediate_size=F // granularity)
     config = _moe_config(
         arch,
-        arch.fields(checkpoint.config, names),
+        fields,
         config_overrides,
         num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok,
+        num_experts_per_tok=num_experts_per_tok * granularity,
         router_type=router_type,
         moe_layer_frequency=moe_layer_frequency,
         moe_layers=moe_layers,
+        **sliced,
     )
+    if granularity > 1 and (num_experts // config.num_expert_groups) % granularity:
+        raise ConversionError(
+            f"num_expert_groups={config.num_expert_groups}: each routing group of {num_experts // config.num_expert_groups} "
+            f"experts must hold whole copies of the FFN ({granularity} slices each, granularity={granularity}); use "
+            f"fewer groups."
+        )
     ffns = moe_ffns(config)
     if not ffns:
         raise ConversionError(
@@ -395,21 +441,23 @@ def upcycle(
             "layers (moe_layers; encoder_moe_layers / decoder_moe_layers for an encoder-decoder)."
         )
     _warn_if_inexact(config, router_init)
-    scale = expert_output_scale(config)
+    # the combine weights of a token's copies sum to 1/g of all its routes' (a copy's g slices weigh alike)
+    scale = granularity * expert_output_scale(config)
     config.conversion = {
         "dense_config": checkpoint.config.to_dict(),
         "expert_output_scale": scale,
         "router_init": router_init,
         "noise_std": noise_std,
         **({"reinit_ratio": reinit_ratio} if reinit_ratio else {}),
+        **({"granularity": granularity} if granularity > 1 else {}),
     }
     dense_names = arch.mapping(checkpoint.config, names).apply(checkpoint.tensors)
     dtype = dense_names.meta().get(next(iter(ffns.values())) + "down_proj.weight").dtype
-    routers = _routers(router_init, config, ffns, dtype, seed, checkpoint, arch, sample_texts, tokenizer)
+    routers = _routers(router_init, config, ffns, dtype, seed, checkpoint, arch, sample_texts, tokenizer, granularity)
     if not 0.0 <= reinit_ratio <= 1.0:
         raise ConversionError(f"reinit_ratio={reinit_ratio}: a share of each expert's inner dimensions, in [0, 1].")
     experts = experts_mapping(config, scale=scale, noise_std=noise_std, seed=seed, routers=routers,
-                              reinit_ratio=reinit_ratio)
+                              reinit_ratio=reinit_ratio, granularity=granularity)
     return deliver(
         experts.apply(dense_names),
         config,
@@ -435,9 +483,11 @@ def import_moe(
 ) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
     """Import an MoE checkpoint (a model object or a folder / Hub id) into our classes: same weights, same routing,
     equal logits. Mixtral and Qwen3-MoE become a GPT-MoE with a "topk" gate (Qwen3-MoE with qk_norm, its dense layers
-    and expert size), Switch Transformers a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its
-    expert_capacity). `merge_experts` turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM,
-    T5ForConditionalGeneration; none for a Qwen3-MoE whose dense layers and experts differ in size). Returns the model,
+    and expert size), GLM-4-MoE a GPT-MoE with a sigmoid "topk" gate (its score-correction bias as expert_bias, its
+    groups, scaling factor, dense layers and shared experts; only with partial_rotary_factor=1.0), Switch Transformers
+    a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its expert_capacity). `merge_experts`
+    turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM, T5ForConditionalGeneration; none for
+    a Qwen3-MoE whose dense layers and experts differ in size, nor for a GLM-4-MoE). Returns the model,
     or writes it to `save_directory` and returns the path (as `upcycle`)."""
     checkpoint, arch, names = _dense_checkpoint(moe, moe=True)
     config = _moe_config(arch, arch.fields(checkpoint.config, names), config_overrides)

@@ -14,6 +14,7 @@ from helpers import tiny_gpt_config, tiny_seq2seq_config
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
+    Glm4MoeForCausalLM,
     MixtralForCausalLM,
     Qwen2MoeForCausalLM,
     Qwen3MoeForCausalLM,
@@ -49,6 +50,16 @@ DECODERS = {
     "qwen3_moe-gshard-tied": ("qwen3_moe", dict(LLAMA, qk_norm=True, router_type="gshard", router_random_routing=False,
                                                 num_hidden_layers=3, moe_layers=[0, 2], tie_word_embeddings=True),
                               Qwen3MoeForCausalLM),
+    # DeepSeek-V3 routing: sigmoid scores, a selection bias (random, see `_random`), the best 2 of 4 groups of 2,
+    # scaled weights; dense layer 0 (first_k_dense_replace), a shared expert of two expert widths, q/k/v biases
+    "glm4_moe": ("glm4_moe", dict(LLAMA, router_score_function="sigmoid", router_expert_bias=True, num_expert_groups=4,
+                                  topk_expert_groups=2, routed_scaling_factor=2.5, num_experts=8, num_experts_per_tok=3,
+                                  num_hidden_layers=3, moe_layers=[1, 2], moe_intermediate_size=16,
+                                  shared_expert_intermediate_size=32, attention_bias=True, attention_output_bias=False,
+                                  qk_norm=True, head_dim=16), Glm4MoeForCausalLM),
+    # no selection bias (zeros), no shared expert (width 0), every layer MoE, weights not renormalised, tied head
+    "glm4_moe-plain": ("glm4_moe", dict(LLAMA, router_score_function="sigmoid", norm_topk_prob=False,
+                                        tie_word_embeddings=True), Glm4MoeForCausalLM),
 }
 # Seq2Seq-MoE in Switch Transformers' layout: T5 v1.0 (ReLU, no gate, q.k unscaled), top-1 by probability, no dropout
 SWITCH_LAYOUT = dict(router_type="switch", num_experts_per_tok=1, gated_mlp=False, hidden_act="relu",
@@ -70,6 +81,9 @@ def _random(model):
                 p.normal_(1.0 if "norm" in name else 0.0, 0.1)
             else:
                 p.normal_(0.0, 1.0 if name.endswith("gate.weight") or any(k in name for k in ("embed", "shared", "lm_head")) else 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("expert_bias"):  # of the order of the sigmoid scores: it changes which experts are chosen
+                b.normal_(0.0, 0.5)
     return model.eval()
 
 
@@ -128,8 +142,10 @@ def test_exported_decoder_equals_ours(exported, case):
     # the Hub layout (one tensor per expert), which the imports (Mixtral, Qwen3-MoE) read back bit for bit
     expert = ".block_sparse_moe.experts.3.w2.weight" if to == "mixtral" else ".mlp.experts.3.down_proj.weight"
     assert any(name.endswith(expert) for name in read_tensors(folder))
-    if to in ("mixtral", "qwen3_moe"):
+    if to in ("mixtral", "qwen3_moe", "glm4_moe"):
         back = import_moe(folder).state_dict()
+        if to == "glm4_moe" and not ours.config.router_expert_bias:  # a GLM-4-MoE always has one: zeros here
+            assert not any(back.pop(k).any() for k in [k for k in back if k.endswith("gate.expert_bias")])
         assert back.keys() == ours.state_dict().keys()
         assert all(torch.equal(back[k], v) for k, v in ours.state_dict().items())
 
@@ -183,6 +199,33 @@ def test_switch_import_then_export_gives_the_same_checkpoint(tmp_path):
     assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
 
 
+def test_glm4_moe_import_equals_it_and_exports_back_to_the_same_checkpoint(tmp_path):
+    glm = build_dense("glm4_moe")
+    with torch.no_grad():
+        for layer in glm.model.layers[1:]:  # decisive routers, a bias that changes the choice
+            layer.mlp.gate.weight.normal_(0.0, 1.0)
+            layer.mlp.gate.e_score_correction_bias.normal_(0.0, 0.5)
+    glm.save_pretrained(tmp_path / "glm")
+    imported = import_moe(tmp_path / "glm")
+    config = imported.config
+    assert config.router_score_function == "sigmoid" and config.router_expert_bias and config.moe_layers == [1, 2]
+    assert (config.num_expert_groups, config.topk_expert_groups, config.routed_scaling_factor) == (4, 2, 2.5)
+    assert config.shared_expert_intermediate_size == 24 and config.qk_norm and not config.attention_output_bias
+    ids = input_ids()
+    with torch.no_grad():
+        torch.testing.assert_close(imported(ids).logits, glm(ids).logits, atol=1e-5, rtol=0)
+    assert_same_outputs(glm, imported)
+    out = export_moe(imported, tmp_path / "back", to="glm4_moe")
+    original, back = read_tensors(tmp_path / "glm"), read_tensors(out)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], v) for k, v in original.items())
+    with pytest.raises(ConversionError, match="imported from a glm4_moe checkpoint that has no dense twin"):
+        merge_experts(imported)
+    # GLM-4.5's half-rotated heads: ours rotates the whole head
+    half = build_dense("glm4_moe", rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.5))
+    with pytest.raises(ConversionError, match=r"partial_rotary_factor=0.5 \(rope_parameters\) is not supported"):
+        import_moe(half)
+
+
 LOAD_WITHOUT_HF_PPMOE = """
 import sys, torch
 sys.modules['hf_ppmoe'] = None  # hf_ppmoe cannot be imported
@@ -198,7 +241,7 @@ for folder, inputs, expected in torch.load(sys.argv[1]):
 
 def test_exported_folders_load_without_hf_ppmoe(exported, tmp_path):
     cases = []
-    for case in ("mixtral", "qwen2_moe-shared", "qwen3_moe", "switch-tied"):
+    for case in ("mixtral", "qwen2_moe-shared", "qwen3_moe", "glm4_moe", "switch-tied"):
         ours, folder = exported(case)
         inputs = _inputs(case in SEQ2SEQ)
         inputs.pop("attention_mask")  # no padding: every position is compared
@@ -212,7 +255,7 @@ def test_exported_folders_load_without_hf_ppmoe(exported, tmp_path):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     loaded = [line.split()[1] for line in result.stdout.splitlines() if line.startswith("OK")]
-    assert loaded == ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    assert loaded == ["MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
                       "SwitchTransformersForConditionalGeneration"]
 
 
@@ -237,6 +280,12 @@ REFUSED = {  # target: (config, a fragment of each reason, in order)
         "eval_capacity_factor=2.0", "router_jitter_noise=0.1: ours jitters only the router's input; Qwen3-MoE has no "
         "jitter", "no per-head q/k norm (qk_norm=False)", "learned absolute positions", "norm_type='layernorm'",
         "a plain MLP", "FFN biases", "hidden_dropout=0.1"]),
+    "glm4_moe": (tiny_gpt_config(**GPT2_MOE), [
+        "router_type='gshard' drops the second expert at random", "router_score_function='softmax'; GLM-4-MoE scores",
+        "shared_expert_intermediate_size=8 is not a multiple of the expert size 48", "capacity_factor=1.0",
+        "eval_capacity_factor=2.0", "router_jitter_noise=0.1: ours jitters only the router's input; GLM-4-MoE has no "
+        "jitter", "learned absolute positions", "norm_type='layernorm'", "a plain MLP", "FFN biases", "an o_proj bias",
+        "hidden_dropout=0.1"]),
     "switch_transformers": (tiny_seq2seq_config(
         norm_type="layernorm", attention_bias=True, hidden_dropout=0.1, shared_expert_intermediate_size=8,
         moe_intermediate_size=24, tie_word_embeddings=True, encoder_moe_layers=[0], capacity_factor=1.0,
@@ -283,6 +332,16 @@ def test_gates_are_mapped_by_what_they_compute():
         "per-head q/k RMSNorm (qk_norm=True); Mixtral's attention has none (qwen3_moe has it)"]
     assert "Qwen3-MoE has biases on all of q, k, v, o or on none" in reasons(
         "qwen3_moe", qk_norm=True, attention_bias=True, attention_output_bias=False)[0]
+    # GLM-4-MoE: sigmoid scores, groups of two or more experts, dense layers only before the MoE layers, no window
+    sigmoid = dict(router_score_function="sigmoid", num_experts=8)
+    assert reasons("glm4_moe", **sigmoid, num_expert_groups=8, topk_expert_groups=4) == [
+        "num_expert_groups=8 makes groups of one expert; GLM-4-MoE scores a group by the sum of its two best experts, "
+        "so a group needs 2 or more"]
+    assert reasons("glm4_moe", **sigmoid, moe_layers=[0]) == [
+        "MoE layers [0] of 2; GLM-4-MoE's first first_k_dense_replace layers are dense and every later one is MoE"]
+    assert reasons("glm4_moe", **sigmoid, sliding_window=4) == [
+        "sliding_window=4; GLM-4-MoE attends to every earlier position"]
+    assert reasons("glm4_moe", **sigmoid, moe_layers=[1], qk_norm=True, topk_weighting="m6t", num_experts_per_tok=1) == []
     one_route = tiny_seq2seq_config(**dict(SWITCH_LAYOUT, router_type="topk"))  # norm_topk_prob: weight 1
     assert export_reasons(one_route, "switch_transformers") == [
         "the one route's weight is renormalised to 1 (router_type='topk'); Switch Transformers weights the expert by "
@@ -309,6 +368,10 @@ def test_cli_export(exported, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "cannot be exported to MixtralForCausalLM exactly" in err and "layers [0] are dense" in err
     assert "capacity_factor=1.0" in err and not (tmp_path / "out2").exists()
+    glm, _ = exported("glm4_moe")
+    glm.save_pretrained(tmp_path / "glm")
+    assert main(["export", str(tmp_path / "glm"), str(tmp_path / "glm-out"), "--to", "glm4_moe"]) == 0
+    assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "glm-out")) is Glm4MoeForCausalLM
 
 
 # ---------------------------------------------------------------------------------------- custom_generate
