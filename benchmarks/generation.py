@@ -13,8 +13,8 @@ ratio is the median of the per-round ratios, so drift from other load on the mac
     python benchmarks/generation.py                  # everything: 2 threads, 5 rounds, 64 new tokens
     python benchmarks/generation.py --rounds 3 --new-tokens 32 --only greedy --threads 1
 
-benchmarks/RESULTS.md was made on a quiet 2-core machine with --rounds 5 --new-tokens 32 --only greedy (2 and 1
-threads), --rounds 5 --only beam, and --only profile --threads 1.
+benchmarks/RESULTS.md was made on a quiet 2-core machine with --rounds 3 --new-tokens 32 --only greedy and
+--rounds 5 --only beam; earlier runs (1 thread, --only profile) are in CHANGELOG.md.
 """
 
 from __future__ import annotations

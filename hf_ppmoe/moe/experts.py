@@ -7,7 +7,7 @@ N routes that reach an expert, G groups, S group size, C capacity.
 dimension first (Transformers' Mixtral layout, `is_transposed=False`): `gate_up_proj [E, 2I, H]` = [gate ; up]
 along dim 1 for gated MLPs or `up_proj [E, I, H]`, `down_proj [E, H, I]`, optional biases `[E, 2I or I]`, `[E, H]`.
 The kernels below multiply `x @ W[e].T` (input-first views of these tensors); why this orientation:
-benchmarks/RESULTS.md, Generation.
+CHANGELOG.md, Generation, 2026-11-22.
 
 It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])` — Transformers'
 `forward(hidden_states, top_k_index, top_k_weights)`; ids equal to `num_experts` are skipped. The kernel is the
