@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
-from hf_ppmoe.parallel import Pipeline, init_distributed, make_mesh, parallelize
+from hf_ppmoe.parallel import Pipeline, exit_distributed, init_distributed, make_mesh, parallelize
 from hf_ppmoe.training.data import builtin_corpus, pack, train_tokenizer
 
 
@@ -71,7 +71,7 @@ def main():
         optimizer.zero_grad()
         if rank == 0 and (step % 10 == 0 or step == args.steps - 1):
             print(f"step {step:4d}  loss {loss.item():.4f}  {time.perf_counter() - start:.1f}s")
-    dist.destroy_process_group()
+    exit_distributed(0)  # destroys the process groups and ends before gloo's threads can abort the process
 
 
 if __name__ == "__main__":
