@@ -1,4 +1,4 @@
-"""benchmarks/quality.py end to end at its smoke setting (2 arms + the upcycling pair, 1 seed, 4 steps): the corpus
+"""benchmarks/quality.py end to end at its smoke setting (2 arms + the upcycling pair, then the balancing arms, 1 seed, 4 steps): the corpus
 split is by file and disjoint, token counts match the stored streams, the equal-FLOPs and equal-parameter arms are
 equal where they claim to be, the upcycled model starts from the dense checkpoint, and a rerun trains nothing."""
 
@@ -78,11 +78,15 @@ def test_smoke_run_end_to_end_and_resume(quality, tmp_path, monkeypatch):
     assert runs["upcycle_moe/0"]["logit_gap"] < 1e-4
 
     assert quality.main(args) == [], "a rerun finds every run in the results file"
-    # arms without the dense one (the balancing arms): no upcycling pair, which continues the dense arm
-    assert quality.main([*args, "--arms", "switch", "--seeds", "2"]) == ["switch/1"]
+    # the balancing arms keep running; without the dense arm no upcycling pair (it continues the dense arm)
+    balancing = ["top2", "top2_seq", "top2_global", "top2_bias", "top2_sigmoid", "top2_sigmoid_bias"]
+    assert quality.main([*args, "--arms", *balancing]) == [f"{arm}/0" for arm in balancing]
     runs = json.loads(results.read_text())["runs"]
+    loads = [runs[f"{arm}/0"]["curve"][-1]["load_max_over_mean"] for arm in balancing]
+    assert all(1.0 <= load <= 16.0 for load in loads), loads  # max/mean over 16 experts: between 1 and E
     results.with_suffix(".md").unlink()
     assert quality.main([*args, "--report"]) == [] and results.with_suffix(".md").exists()
+    assert "max/mean load" in results.with_suffix(".md").read_text()
     assert json.loads(results.read_text())["runs"] == runs
     monkeypatch.setitem(quality.SETTINGS, "smoke", dataclasses.replace(s, lr=2 * s.lr))
     with pytest.raises(SystemExit, match="another setting or corpus .*lr"):
