@@ -1,6 +1,7 @@
-"""benchmarks/quality.py end to end at its smoke setting (2 arms + the upcycling pair, then the balancing arms, 1 seed, 4 steps): the corpus
-split is by file and disjoint, token counts match the stored streams, the equal-FLOPs and equal-parameter arms are
-equal where they claim to be, the upcycled model starts from the dense checkpoint, and a rerun trains nothing."""
+"""benchmarks/quality.py end to end at its smoke setting (2 arms + the upcycling pair, then the balancing arms, 1
+seed, 4 steps): the corpus split is by file and disjoint, token counts match the stored streams, the equal-FLOPs and
+equal-parameter arms are equal where they claim to be, the upcycled model starts from the dense checkpoint, and a
+rerun trains nothing."""
 
 import dataclasses
 import importlib.util
