@@ -1,10 +1,10 @@
 """`hf-ppmoe demo`: the papers' case for MoE, measured fairly on the built-in corpus (no download), in named steps
 (`run_demo` calls them in this order):
 
-1. `prepare`: the protocol (`protocol.CPU`, or `QUICK`), fixed before any result, written to protocol.json and
-   printed; the standard library's .py files split by file, the tokenizer fitted on the training files;
+1. `prepare`: the protocol (`protocol.CPU`, or `QUICK`; `--tokens` sets the budget), fixed before any result, written
+   to protocol.json and printed; the standard library's .py files split by file, the tokenizer fitted on train files;
 2. `train_arms`: per seed, from scratch at equal FLOPs per token and equal tokens, the dense model and the MoE; from
-   each seed's final dense model, continued dense training and the upcycled MoE for equal tokens (and, with
+   the dense run at half the budget, the upcycled MoE beside the dense run's second half (and, with
    --parameter_bound, a dense model as wide as all experts); the runs side by side, one CPU thread each;
 3. `measure_speed`: the trained models' step times in alternating short rounds (a CPU proxy);
 4. `measure_expert_shares`: the share of routes each expert receives, upcycled before and after training, and the
@@ -30,18 +30,19 @@ from transformers import AutoModelForCausalLM
 from ..conversion import merge_experts
 from ..generation import flat_beam_search
 from ..moe.layer import MoELayer
+from .budget import curve_for
+from .loop import evaluate, held_out_blocks
 from .options import DemoArguments
 from .plots import plot_comparison, plot_expert_share, spread
-from .protocol import (
-    CPU, DEMO_TRAIN_BYTES, HELD_OUT_EVERY, QUICK, SCRATCH_ARMS, UPCYCLE_ARMS, evaluate, held_out_blocks, upcycle_from,
-)
-from .report import CLAIM_RULE, claims, report_markdown, sentence
-from .runs import Clock, check_blocks, load_data, paired_speed, quiet, run_all, workers_for
+from .protocol import CPU, HELD_OUT_EVERY, QUICK, SCRATCH_ARMS, TOKENIZER_BYTES, UPCYCLED, check_blocks, upcycle_from
+from .report import CLAIM_RULE, budget_sentence, claims, report_markdown, sentence
+from .runs import Clock, half_state, load_data, paired_speed, quiet, run_all, workers_for
 
 PROMPT = "def read_file(path):\n"
-RULE = ("the settings of benchmarks/quality.py's `cpu` setting, fixed on 2026-11-24 before this demo existed (its "
-        "learning rate, schedule, sizes and steps are used as they are, for every arm alike); the MoE is the library's "
-        "default gate with quality.py's `top2` expert sizes; nothing was tuned on the held-out set.")
+RULE = ("revision 2 of the protocol, fixed by the written rules of benchmarks/PROTOCOL.md before any of its claim seeds "
+        "ran: the learning rate, warm-up and batch tuned on the dense model alone, on validation seeds that are never "
+        "claim seeds; the MoE's shape from the tokens-per-expert argument, never from its held-out loss; the budget "
+        "from the run time; every arm trained alike.")
 
 
 @torch.no_grad()
@@ -57,26 +58,38 @@ def expert_shares(model, blocks: torch.Tensor, batch_size: int) -> dict[str, lis
     return {"layer " + name.split(".")[-2]: row.tolist() for name, row in zip(names, shares)}
 
 
+def setting_of(args: DemoArguments):
+    """The protocol's setting (`QUICK` with --quick), its budget set by --tokens."""
+    s = QUICK if args.quick else CPU
+    if not args.tokens:
+        return s
+    unit = 2 * s.eval_every * s.batch * s.block  # the budget in whole pairs of evaluation intervals: B / 2 is one
+    return dataclasses.replace(s, steps=2 * s.eval_every * max(1, round(args.tokens / unit)))
+
+
 def prepare(args: DemoArguments, root: Path) -> dict:
     """The protocol and the data: returns {"setting", "seeds", "data", "protocol"} and writes protocol.json."""
-    s = QUICK if args.quick else CPU
+    s = setting_of(args)
     seeds = [args.seed + i for i in range(args.seeds)]
     print("[1/7] the protocol and the data (the standard library's .py files, split by file)")
-    data = load_data(s, root, None if args.quick else DEMO_TRAIN_BYTES)
+    data = load_data(s, root)
     st = data["stats"]
     scratch = [a for a in SCRATCH_ARMS if a != "dense_wide" or args.parameter_bound]
     protocol = {
         "setting": dataclasses.asdict(s), "seeds": seeds, "quick": args.quick, "rule": RULE,
-        "arms": {**{a: SCRATCH_ARMS[a][0] for a in scratch}, **UPCYCLE_ARMS},
+        "default_steps": (QUICK if args.quick else CPU).steps,
+        "arms": {**{a: SCRATCH_ARMS[a][0] for a in scratch}, UPCYCLED[0]: UPCYCLED[1]},
         "held_out": {"rule": f"every {HELD_OUT_EVERY}th file in the order of the SHA-1 of its path", "files": len(st["val_files"]),
-                     "file_names": st["val_files"], "tokens": st["val_tokens"], "blocks": s.eval_blocks},
+                     "file_names": st["val_files"], "tokens": st["val_tokens"], "blocks": s.eval_blocks,
+                     "final_blocks": s.final_blocks},
         "train_files": len(st["train_files"]), "train_tokens": st["train_tokens"], "vocab_size": st["vocab_size"],
-        "train_bytes_cap": None if args.quick else DEMO_TRAIN_BYTES, "claim_rule": CLAIM_RULE,
+        "tokenizer_bytes": TOKENIZER_BYTES, "claim_rule": CLAIM_RULE,
     }
     (root / "protocol.json").write_text(json.dumps(protocol, indent=1))
     print(f"      fixed before any result: {RULE}")
-    print(f"      {s.steps} steps of {s.batch} x {s.block} tokens from scratch, {s.upcycle_steps} upcycling steps, "
-          f"hidden {s.hidden}, {s.layers} layers, lr {s.lr}; seeds {seeds}; arms {', '.join(protocol['arms'])}")
+    print(f"      {s.steps} steps of {s.batch} x {s.block} tokens ({s.tokens() / 1e6:.2f}M tokens per run; the upcycled run "
+          f"from step {s.steps // 2}), hidden {s.hidden}, {s.layers} layers, peak lr {s.lr}, warm-up {s.warmup}, "
+          f"cool-down over the last {s.decay:.0%}; seeds {seeds}; arms {', '.join(protocol['arms'])}")
     print(f"      held-out: {len(st['val_files'])} files ({st['val_tokens']:,} tokens); training: "
           f"{len(st['train_files'])} files ({st['train_tokens']:,} tokens)")
     return {"setting": s, "seeds": seeds, "data": data, "protocol": protocol, "scratch": scratch}
@@ -87,18 +100,22 @@ def train_arms(args: DemoArguments, root: Path, run: dict) -> dict[str, dict]:
     workers = workers_for(args.workers)
     run["workers"] = workers
     s, seeds = run["setting"], run["seeds"]
-    print(f"[2/7] training {len(run['scratch']) + 2} arms x {len(seeds)} seeds, {workers} side by side")
-    records = run_all(root, s, None if args.quick else DEMO_TRAIN_BYTES, seeds, run["scratch"], workers)
+    print(f"[2/7] training {len(run['scratch']) + 1} arms x {len(seeds)} seeds, {workers} side by side")
+    records = run_all(root, s, seeds, run["scratch"], workers)
     arms = {}
-    for arm in [*run["scratch"], *UPCYCLE_ARMS]:
+    for arm in [*run["scratch"], UPCYCLED[0]]:
         first = records[arm, seeds[0]]
         arms[arm] = {
             "description": run["protocol"]["arms"][arm], "params_total": first["params"]["total"],
             "params_active": first["params"]["active"], "flops_per_token": first["flops_per_token"]["train"],
             "flops_per_token_parts": first["flops_per_token"], "train_tokens": first["train_tokens"],
+            "start_tokens": s.tokens(first["steps"]) - first["train_tokens"],
             "held_out_loss": {str(seed): records[arm, seed]["val_loss"] for seed in seeds},
-            "curve": {str(seed): [[p["tokens"], p["val_loss"]] for p in records[arm, seed]["curve"]] for seed in seeds},
+            "curve": {str(seed): [[p["tokens"], p["val_loss"]] for p in records[arm, seed]["curve"]
+                                  if p["step"] * s.batch * s.block >= s.tokens(first["steps"]) - first["train_tokens"]]
+                      for seed in seeds},  # an upcycled run's own points: from its start
             "data_order": {str(seed): records[arm, seed]["data_order"] for seed in seeds},
+            "tokens_per_cpu_s": {str(seed): records[arm, seed]["tokens_per_cpu_s"] for seed in seeds},
         }
     run["records"] = records
     return arms
@@ -112,23 +129,24 @@ def measure_speed(root: Path, run: dict) -> dict:
     """The first seed's trained models, alternated in short rounds on one thread (`runs.paired_speed`)."""
     print("[3/7] speed: the trained models alternated in short rounds (a CPU proxy)")
     first, s = run["seeds"][0], run["setting"]
-    names = [a for a in ("dense_scratch", "moe_scratch", "moe_upcycled", "dense_wide") if a in run["protocol"]["arms"]]
+    names = [a for a in ("dense", "moe_scratch", "moe_upcycled", "dense_wide") if a in run["protocol"]["arms"]]
     batch = held_out_blocks(run["data"], s)[: s.batch]
     rounds, steps = (2, 1) if run["protocol"]["quick"] else (10, 3)
     load = os.getloadavg()[0]
     models = paired_speed({a: _model(root, a, first) for a in names}, batch, rounds=rounds, steps=steps)
     for name, v in models.items():
-        print(f"      {name}: {v['tokens_per_s']:,.0f} tokens/s, step time {v['time_ratio']:.2f}x dense_scratch's")
+        print(f"      {name}: {v['tokens_per_s']:,.0f} tokens/s, step time {v['time_ratio']:.2f}x dense's")
     return {"models": models, "rounds": rounds, "steps_per_round": steps, "load": load}
 
 
 def measure_expert_shares(root: Path, run: dict) -> dict:
     """Expert shares on the held-out set: the upcycled MoE before (its random router) and after training, and the
-    from-scratch MoE; and the upcycled model's logit gap to its dense source."""
+    from-scratch MoE; and the upcycled model's logit gap to its dense source (the dense run at half the budget)."""
     print("[4/7] expert shares on the held-out set")
     first, s, data = run["seeds"][0], run["setting"], run["data"]
     blocks = held_out_blocks(data, s)
-    fresh, gap = upcycle_from(_model(root, "dense_scratch", first), first, check_blocks(data, s))
+    dense = AutoModelForCausalLM.from_pretrained(half_state(root, first, s))
+    fresh, gap = upcycle_from(dense, first, check_blocks(data, s))
     shares = {"upcycled_init": expert_shares(fresh.eval(), blocks, s.batch),
               "upcycled": expert_shares(_model(root, "moe_upcycled", first), blocks, s.batch),
               "scratch": expert_shares(_model(root, "moe_scratch", first), blocks, s.batch)}
@@ -171,8 +189,8 @@ def write_results(root: Path, results: dict, arms: dict, shares: dict) -> Path:
     """results.json, the plots and report.md (from results.json's content alone)."""
     print("[7/7] writing results.json, the plots and the report")
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    pairs = [("from scratch, equal FLOPs per token", "moe_scratch", "dense_scratch"),
-             ("upcycling: from each seed's dense model, equal tokens", "moe_upcycled", "dense_continued")]
+    pairs = [("from scratch, equal FLOPs per token", "moe_scratch", "dense"),
+             ("upcycled at half the budget, equal tokens", "moe_upcycled", "dense")]
     runs = {arm: {seed: {"curve": [{"tokens": t, "val_loss": v} for t, v in curve]} for seed, curve in a["curve"].items()}
             for arm, a in arms.items()}
     plot_comparison(runs, pairs, root / "losses.png")
@@ -197,9 +215,9 @@ def run_demo(args: DemoArguments) -> Path:
         run = prepare(args, root)
     with clock.stage("training"):
         arms = train_arms(args, root, run)
-    verdicts = claims(arms)
+    verdicts = claims(arms, run["setting"].tokens(), curve_for(run["setting"]))
     for name, claim in verdicts.items():
-        print(f"      {name}: {sentence(claim)}")
+        print(f"      {name}: {sentence(claim)} {budget_sentence(claim)}")
     with clock.stage("speed, shares, generation, merging"):
         speed = measure_speed(root, run)
         shares = measure_expert_shares(root, run)

@@ -1,6 +1,6 @@
 """`hf-ppmoe demo`'s flags (hf_ppmoe.demo runs it): the standard library only, so that `--help` and flag errors print
-before torch is imported. The GPT demo's sizes, steps and learning rate are not flags: they are the protocol fixed
-in `hf_ppmoe/demo/protocol.py` (`CPU`), chosen before any of its results were seen."""
+before torch is imported. The GPT demo's sizes and learning rate are not flags: they are the protocol fixed in
+`hf_ppmoe/demo/protocol.py` (`CPU`) before any of its results were seen; `--tokens` sets its budget."""
 
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -12,6 +12,9 @@ class DemoArguments:
     output_dir: str = field(default="hf-ppmoe-demo", metadata={"help": "Where models, logs, plots, report.md and results.json go."})
     seed: int = field(default=0, metadata={"help": "The first seed; the runs use seeds seed, seed+1, ... (model initialisation and data order)."})
     seeds: int = field(default=3, metadata={"help": "Seeds: every arm is trained once per seed."})
+    tokens: int = field(default=0, metadata={"help": "Training tokens per from-scratch run (0: the protocol's budget, "
+                                              "2.05M; rounded to whole 100 steps of 2,048 tokens). The report says at which "
+                                              "budget each claim clears its rule."})
     workers: int = field(default=0, metadata={"help": "Training runs side by side, one CPU thread each (0: one per CPU core, at most 4)."})
     parameter_bound: bool = field(default=False, metadata={"help": "Also train a dense model as wide as all the experts together "
                                                            "(the MoE's parameters at 2.6x its FLOPs; about 1.6x the run time)."})
@@ -38,6 +41,8 @@ class DemoArguments:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
         if not self.learning_rate > 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
+        if self.tokens < 0:
+            raise ValueError(f"--tokens must be >= 0 (0: the protocol's budget), got {self.tokens}.")
         if self.workers < 0:
             raise ValueError(f"--workers must be >= 0 (0: one per CPU core), got {self.workers}.")
         if self.seed < 0:

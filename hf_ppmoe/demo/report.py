@@ -14,11 +14,11 @@ CLAIM_RULE = ("A claim holds only when the arm ends below its baseline in every 
 # (name, the papers' statement, arm, baseline)
 CLAIMS = [
     ("from_scratch", "At equal FLOPs per token and equal training tokens, an MoE reaches a lower held-out loss than "
-     "the dense model (GShard, M6-T, PPMoE)", "moe_scratch", "dense_scratch"),
+     "the dense model (GShard, M6-T, PPMoE)", "moe_scratch", "dense"),
     ("upcycling", "From the same dense checkpoint and for the same tokens, the upcycled MoE reaches a lower held-out "
-     "loss than continued dense training (Komatsuzaki et al. 2022, sparse upcycling)", "moe_upcycled", "dense_continued"),
-    ("parameter_bound", "The MoE comes close to a dense model as wide as all its experts (its parameters, 2.6x its "
-     "training FLOPs); here the claim tested is that the wide dense model ends lower", "dense_wide", "moe_scratch"),
+     "loss than continued dense training (Komatsuzaki et al. 2022, sparse upcycling)", "moe_upcycled", "dense"),
+    ("parameter_bound", "The MoE comes close to a dense model as wide as all its experts (its parameters, at more "
+     "FLOPs); here the claim tested is that the wide dense model ends lower", "dense_wide", "moe_scratch"),
 ]
 
 
@@ -34,32 +34,49 @@ def judge(diffs: list[float]) -> str:
     return "not shown"
 
 
-def claims(arms: dict) -> dict:
-    """Every claim whose arms ran: per-seed differences, their mean and standard deviation, the verdict."""
+def compare(mine: dict, theirs: dict) -> dict:
+    """Per-seed differences of two arms' held-out losses ({seed: loss}), their mean, standard deviation, how many
+    seeds are lower, and the verdict."""
+    per_seed = {seed: mine[seed] - theirs[seed] for seed in mine if seed in theirs}
+    diffs = list(per_seed.values())
+    return {"per_seed": per_seed, "mean": statistics.mean(diffs), "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+            "lower": sum(d < 0 for d in diffs), "verdict": judge(diffs)}
+
+
+def claims(arms: dict, tokens: int | None = None, curve: dict | None = None) -> dict:
+    """Every claim whose arms ran: per-seed differences, their mean and standard deviation, the verdict; with the
+    budget curve measured for this protocol (`budget.CURVE`), what it says at the run's `tokens` and the smallest
+    budget at which the claim clears the rule there ("budget")."""
     out = {}
     for name, statement, arm, baseline in CLAIMS:
         if arm not in arms or baseline not in arms:
             continue
-        mine, theirs = arms[arm]["held_out_loss"], arms[baseline]["held_out_loss"]
-        per_seed = {seed: mine[seed] - theirs[seed] for seed in mine if seed in theirs}
-        diffs = list(per_seed.values())
-        out[name] = {"statement": statement, "arm": arm, "baseline": baseline, "per_seed": per_seed,
-                     "mean": statistics.mean(diffs), "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
-                     "verdict": judge(diffs)}
+        out[name] = {"statement": statement, "arm": arm, "baseline": baseline,
+                     **compare(arms[arm]["held_out_loss"], arms[baseline]["held_out_loss"])}
+        if curve and name in curve["claims"]:
+            points = curve["claims"][name]
+            clears = None  # the smallest budget from which on every measured budget holds
+            for p in sorted(points, key=lambda p: -p["tokens"]):
+                if p["verdict"] != "holds":
+                    break
+                clears = p["tokens"]
+            out[name]["curve"] = {"seeds": curve["seeds"], "points": points, "clears_at": clears,
+                                  "here": next((p for p in points if p["tokens"] == tokens), None)}
     return out
 
 
 def sentence(claim: dict) -> str:
     """The verdict in words, with the numbers behind it."""
     listed = ", ".join(f"{d:+.4f}" for d in claim["per_seed"].values())
+    n = len(claim["per_seed"])
     numbers = (f"{claim['arm']} minus {claim['baseline']} per seed: {listed} nats (mean {claim['mean']:+.4f}, "
-               f"standard deviation {claim['std']:.4f} over {len(claim['per_seed'])} seeds)")
+               f"standard deviation {claim['std']:.4f}; lower in {claim['lower']} of {n} seeds)")
     diffs = list(claim["per_seed"].values())
     if claim["verdict"] == "holds":
         return f"**Holds.** {numbers}: lower in every seed, by more than twice the spread."
     if claim["verdict"] == "reversed":
         return f"**Reversed.** {numbers}: higher in every seed, by more than twice the spread."
-    if len(diffs) < 2:
+    if n < 2:
         why = "one seed has no spread to compare with (run with --seeds 3)"
     elif all(d < 0 for d in diffs) or all(d > 0 for d in diffs):
         why = "every seed agrees on the sign, but the mean is within twice the spread of the seeds"
@@ -68,12 +85,28 @@ def sentence(claim: dict) -> str:
     return f"**Not shown at this budget.** {numbers}: {why}, so no difference is claimed."
 
 
+def budget_sentence(claim: dict) -> str:
+    """What the budget curve (more seeds, several budgets) says about the claim, and which budget clears it."""
+    c = claim.get("curve")
+    if c is None:
+        return "No budget curve was measured for this setting."
+    seeds = f"{len(c['seeds'])} seeds ({', '.join(map(str, c['seeds']))})"
+    points = "; ".join(f"{p['tokens'] / 1e6:.2f}M tokens: {p['verdict']}, lower in {p['lower']} of {len(p['per_seed'])}, "
+                       f"mean {p['mean']:+.4f} sd {p['std']:.4f}" for p in c["points"])
+    if c["clears_at"] is None:
+        verdict = f"it does not clear the rule at any budget measured (up to {max(p['tokens'] for p in c['points']) / 1e6:.2f}M tokens)"
+    else:
+        verdict = (f"it clears the rule from {c['clears_at'] / 1e6:.2f}M tokens per run on: "
+                   f"`hf-ppmoe demo --tokens {c['clears_at']}`")
+    return f"The budget curve (benchmarks/RESULTS.md, {seeds}): {points}. So {verdict}."
+
+
 def _millions(n: int) -> str:
     return f"{n / 1e6:.2f}M"
 
 
 def _arm_rows(r: dict) -> str:
-    dense = r["arms"]["dense_scratch"]["flops_per_token"]
+    dense = r["arms"]["dense"]["flops_per_token"]
     rows = []
     for name, a in r["arms"].items():
         rows.append(f"| `{name}` | {a['description']} | {_millions(a['params_total'])} | {_millions(a['params_active'])} "
@@ -88,63 +121,69 @@ def report_markdown(r: dict) -> str:
     s, seeds = p["setting"], p["seeds"]
     quick = "\n*`--quick`: tiny models and a few steps, a check that every stage runs; the numbers are not a result.*\n"
     c = r["claims"]
-    scratch, up = arms["dense_scratch"], arms["moe_scratch"]
-    router_share = (up["flops_per_token"] - scratch["flops_per_token"]) / scratch["flops_per_token"]
+    dense, moe = arms["dense"], arms["moe_scratch"]
+    router_share = (moe["flops_per_token"] - dense["flops_per_token"]) / dense["flops_per_token"]
     speed = r["speed"]
     speed_rows = "\n".join(
         f"| `{name}` | {v['tokens_per_s']:,.0f} | {v['time_ratio']:.2f}x ({v['time_ratio_range'][0]:.2f}-"
-        f"{v['time_ratio_range'][1]:.2f}) | {arms[name]['flops_per_token'] / scratch['flops_per_token']:.2f}x |"
+        f"{v['time_ratio_range'][1]:.2f}) | {arms[name]['flops_per_token'] / dense['flops_per_token']:.2f}x |"
         for name, v in speed["models"].items())
     shares = r["expert_shares"]
     g, m = r["generation"], r["merged"]
     first = str(seeds[0])
     held = p["held_out"]
+    tokens = s["steps"] * s["batch"] * s["block"]
+    budget = (f"{tokens / 1e6:.2f}M training tokens per run ({s['steps']} steps"
+              + (", the protocol's budget)" if s["steps"] == p["default_steps"] else f", set by --tokens; the protocol's "
+                 f"budget is {p['default_steps']} steps)"))
     lines = ["# hf-ppmoe demo: MoE against dense, at equal compute", quick if p["quick"] else "",
-             "## What the papers claim, and what this run shows", ""]
+             "## What the papers claim, and what this run shows", "", f"At {budget}, {len(seeds)} seeds:", ""]
     for name, claim in c.items():
-        lines += [f"- {claim['statement']}. {sentence(claim)}"]
+        lines += [f"- {claim['statement']}. {sentence(claim)} {budget_sentence(claim)}"]
     lines += ["", f"{CLAIM_RULE} Every number is in `results.json` beside this report.", "",
-              "## The protocol (fixed in `hf_ppmoe/demo/protocol.py` before any result of it was seen)", "",
+              "## The protocol (fixed before any of its claim seeds ran: benchmarks/PROTOCOL.md)", "",
               f"- **Rule for the hyper-parameters**: {p['rule']}",
               f"- **Data**: the .py files of the CPython {env['python']} standard library (no download). Held-out: "
-              f"{held['rule']}: {held['files']} files, {held['tokens']:,} tokens, of which {held['blocks']} evenly spaced "
-              f"windows of {s['block']} tokens are the held-out set. Training: {p['train_files']} other files "
-              f"({p['train_tokens']:,} tokens); byte-level BPE of {p['vocab_size']} fitted on them.",
+              f"{held['rule']}: {held['files']} files, {held['tokens']:,} tokens; the claims' held-out loss is on "
+              f"{held['final_blocks']} evenly spaced windows of {s['block']} tokens of them (the curves' points on "
+              f"{held['blocks']}). Training: {p['train_files']} other files ({p['train_tokens']:,} tokens); byte-level "
+              f"BPE of {p['vocab_size']} fitted on the first {p['tokenizer_bytes'] / 1e6:.0f} MB of them.",
               f"- **Models**: GPT-MoE in the Llama layout (rotary, RMSNorm, SwiGLU), hidden {s['hidden']}, {s['layers']} "
-              f"layers, {s['heads']} heads; MoE layers in every other FFN; F = {4 * s['hidden']} is the dense FFN's "
-              "width. Every arm of a seed is built under the same torch seed.",
-              f"- **Training**: {s['steps']} steps of {s['batch']} x {s['block']} tokens from scratch, AdamW at "
-              f"{s['lr']} (warmup {s['warmup']} steps, cosine decay to 10%), the same batches in the same order for "
-              f"every arm of a seed (`data_order` in results.json: the SHA-1 of every batch); the upcycling arms "
-              f"continue each seed's final `dense_scratch` model {s['upcycle_steps']} steps on new batches (seed + 1000), "
-              "the same for both.",
+              f"layers, {s['heads']} heads; F = {4 * s['hidden']} is the dense FFN's width. Every arm of a seed is built "
+              "under the same torch seed.",
+              f"- **Training**: {s['steps']} steps of {s['batch']} x {s['block']} tokens, AdamW at peak {s['lr']} "
+              f"(warm-up {s['warmup']} steps, constant, then a (1 - sqrt) cool-down to 0 over the last "
+              f"{s['decay']:.0%}), the same batches in the same order for every arm of a seed (`data_order` in "
+              f"results.json: chained SHA-1 of the batches). The upcycled run starts from the seed's dense run at step "
+              f"{s['steps'] // 2} with its optimizer state, and trains the second half on the dense run's batches "
+              "and schedule: its baseline is the dense run itself.",
               f"- **Seeds**: {', '.join(map(str, seeds))} (model initialisation and data order); all are shown.",
               "- **Held-out loss**: next-token cross-entropy alone (router losses excluded), nats per token.", "",
               "| arm | what | parameters | active per token | training FLOPs per token (M) | training tokens | "
               + " | ".join(f"held-out loss, seed {seed}" for seed in seeds) + " |",
               "|---|---|---|---|---|---|" + "---|" * len(seeds), _arm_rows(r), "",
               f"FLOPs per token are counted from the configs (2 per multiply-add, training = 3 x forward). "
-              f"`moe_scratch` computes what `dense_scratch` does plus its routers ({100 * router_share:.2f}% more); "
-              "the upcycled MoE runs two full-size experts per token in its MoE layers, so it computes more per token "
-              "than `dense_continued`: the upcycling claim is at equal tokens, not equal FLOPs.", "",
+              f"`moe_scratch` computes what `dense` does plus its routers ({100 * router_share:.2f}% more); the upcycled "
+              "MoE runs two full-size experts per token in its MoE layers, so it computes more per token than the dense "
+              "model: the upcycling claim is at equal tokens, not equal FLOPs.", "",
               "![held-out loss against training tokens](losses.png)", "",
               "Above: held-out loss against training tokens, each seed thin, the mean thick. Below: the MoE minus "
-              "its dense baseline, per seed.", "",
+              "its dense baseline, each seed in its own colour.", "",
               "## Speed", "",
               "Cost per token from the configs is the column above. Measured on this CPU (a proxy: a GPU's ratios "
               f"differ), one thread, the {len(speed['models'])} trained seed-{first} models alternated in "
               f"{speed['rounds']} short rounds of {speed['steps_per_round']} training steps, so that a change in the "
               "machine's load falls on all of them alike; the ratio is the median over rounds of the step time "
-              f"against `dense_scratch`'s in the same round (range in brackets). 1-min load average {speed['load']:.1f}.", "",
-              "| model | tokens/s (best round) | step time vs dense_scratch | FLOPs vs dense_scratch |", "|---|---|---|---|",
+              f"against `dense`'s in the same round (range in brackets). 1-min load average {speed['load']:.1f}.", "",
+              "| model | tokens/s (best round) | step time vs dense | FLOPs vs dense |", "|---|---|---|---|",
               speed_rows, "",
               "## Where the tokens go", "",
               f"Share of routes (tokens x k) each expert receives in each MoE layer on the held-out set. Freshly "
               f"upcycled (random router): {100 * shares['spread']['upcycled_init'][0]:.1f}% to "
               f"{100 * shares['spread']['upcycled_init'][1]:.1f}%; after training: "
-              f"{100 * shares['spread']['upcycled'][0]:.1f}% to {100 * shares['spread']['upcycled'][1]:.1f}% "
-              f"(uniform {100 / 8:.1f}%); the from-scratch MoE: {100 * shares['spread']['scratch'][0]:.1f}% to "
-              f"{100 * shares['spread']['scratch'][1]:.1f}% (uniform {100 / 16:.2f}%).", "",
+              f"{100 * shares['spread']['upcycled'][0]:.1f}% to {100 * shares['spread']['upcycled'][1]:.1f}%; the "
+              f"from-scratch MoE: {100 * shares['spread']['scratch'][0]:.1f}% to "
+              f"{100 * shares['spread']['scratch'][1]:.1f}% (uniform: 100% / experts).", "",
               "![expert share](expert_share.png)", "",
               "## Upcycling is exact, generation, and merging back", "",
               f"Right after upcycling, the MoE's logits equal the dense model's: max |difference| "
@@ -155,13 +194,14 @@ def report_markdown(r: dict) -> str:
               f"parameters and a held-out perplexity of {math.exp(arms['moe_upcycled']['held_out_loss'][first]):.0f}: "
               "it picks up the corpus' syntax, not its meaning.", "",
               f"The seed-{first} upcycled MoE merged back into a plain `{m['model_class']}` (router-usage-weighted mean "
-              f"of the experts): held-out loss {m['loss']:.4f}, against {m['moe_loss']:.4f} for the MoE and "
-              f"{arms['dense_continued']['held_out_loss'][first]:.4f} for the dense model continued on the same batches.", "",
+              f"of the experts): held-out loss {m['loss']:.4f} on the curves' windows, against {m['moe_loss']:.4f} for "
+              "the MoE.", "",
               "## Run time and machine", "",
               f"{r['run_time_min']:.1f} minutes on {env['cores']} CPU cores, {r['workers']} runs side by side "
               f"(1-min load average {env['load_start']:.1f} at the start, {env['load_end']:.1f} at the end): "
               + ", ".join(f"{k} {v / 60:.1f} min" for k, v in r["stages_s"].items())
               + f". Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}.", "",
               "Folders: `runs/` (one JSON per arm and seed, with its curve), `models/` (every trained model), "
-              "`merged/` (a plain Transformers model), `corpus-*/` (tokenizer and token streams).", ""]
+              "`states/` (the dense runs at half the budget, with their optimizer state), `merged/` (a plain "
+              "Transformers model), `corpus-*/` (tokenizer and token streams).", ""]
     return "\n".join(lines)

@@ -1,6 +1,9 @@
 """The demo's training runs, side by side: one process per CPU core, one thread each (a run's numbers do not depend
 on which process runs it or what runs beside it), every finished run written to root/runs/ and its model to
-root/models/ at once; and the paired speed measurement of the trained models."""
+root/models/ at once; and the paired speed measurement of the trained models.
+
+Per seed the jobs are: the dense run's first half (its state saved at step B / 2), then its second half and the
+upcycled run (both from that state), and the from-scratch arms in one piece."""
 
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-from ..modeling import GPTMoEForCausalLM
-from .protocol import SCRATCH_ARMS, Setting, build, corpus, train, upcycle_from, windows
+from .loop import Run, train
+from .protocol import SCRATCH_ARMS, UPCYCLED, Setting, build, check_blocks, corpus, result, upcycle_run
 
 
 @dataclass
@@ -47,37 +50,40 @@ def quiet() -> None:
     logging.disable_progress_bar()
 
 
-def load_data(setting: Setting, work: Path, train_bytes: int | None) -> dict:
-    return corpus(work, setting.vocab, setting.max_files, train_bytes)
+def load_data(setting: Setting, work: Path) -> dict:
+    return corpus(work, setting.vocab, setting.max_files)
 
 
-def check_blocks(data: dict, s: Setting) -> torch.Tensor:
-    """Two held-out windows on which an upcycled model is checked against its dense source."""
-    return windows(data["val"], torch.arange(2) * s.block, s.block)
+def half_state(root: Path, seed: int, s: Setting) -> Path:
+    """Where the dense run of `seed` is saved at step B / 2."""
+    return root / "states" / f"dense-seed{seed}-step{s.steps // 2}"
 
 
-def run_arm(root: str, setting: Setting, train_bytes: int | None, arm: str, seed: int) -> dict:
-    """Train one arm for one seed (in a worker process, one thread); save its model and record; return the record.
-    From-scratch arms start from `build` under `seed` and read batches drawn with `seed`; the upcycling arms start
-    from the seed's final dense_scratch model and read batches drawn with seed + 1000."""
+def run_job(root: str, setting: Setting, arm: str, seed: int, part: str = "") -> dict | None:
+    """One job in a worker process (one thread): a from-scratch arm whole, the dense run's `part` "first" (to B / 2,
+    saved) or "second" half, or the upcycled run from the dense run at B / 2. Saves the finished arm's model and record
+    and returns the record (None for the first half). From-scratch arms start from `build` under `seed` and read
+    batches drawn with `seed`."""
     torch.set_num_threads(1)
     quiet()
     root, s = Path(root), setting
-    data = load_data(s, root, train_bytes)
-    extra = {}
-    if arm in SCRATCH_ARMS:
-        model, steps, data_seed = build(s, data["tokenizer"], SCRATCH_ARMS[arm][1], seed), s.steps, seed
+    data = load_data(s, root)
+    began, extra, half = time.perf_counter(), {}, s.steps // 2
+    if arm == UPCYCLED[0]:
+        run, extra["logit_gap"] = upcycle_run(Run.load(half_state(root, seed, s), s), s, seed, check_blocks(data, s))
+        if extra["logit_gap"] > 1e-4:
+            raise RuntimeError(f"the upcycled model's logits differ from the dense model's by {extra['logit_gap']:.2e}")
+    elif part == "second":
+        run = Run.load(half_state(root, seed, s), s)
     else:
-        model = GPTMoEForCausalLM.from_pretrained(root / "models" / f"dense_scratch-seed{seed}")
-        steps, data_seed = s.upcycle_steps, seed + 1000
-        if arm == "moe_upcycled":
-            model, extra["logit_gap"] = upcycle_from(model, seed, check_blocks(data, s))
-            if extra["logit_gap"] > 1e-4:
-                raise RuntimeError(f"the upcycled model's logits differ from the dense model's by {extra['logit_gap']:.2e}")
-    began = time.perf_counter()
-    record = {**train(model, data, s, steps, data_seed, verbose=False), **extra, "arm": arm, "seed": seed,
-              "data_seed": data_seed, "wall_s": time.perf_counter() - began}
-    model.save_pretrained(root / "models" / f"{arm}-seed{seed}")
+        run = Run.start(build(s, data["tokenizer"], SCRATCH_ARMS[arm][1], seed), s, seed)
+    train(run, data, s, half if part == "first" else s.steps, s.steps)
+    if part == "first":
+        run.save(half_state(root, seed, s))
+        return None
+    record = {**result(run, s, started=half if arm == UPCYCLED[0] else 0), **extra, "arm": arm, "seed": seed,
+              "data_seed": seed, "wall_s": time.perf_counter() - began}
+    run.model.save_pretrained(root / "models" / f"{arm}-seed{seed}")
     (root / "runs").mkdir(exist_ok=True)
     (root / "runs" / f"{arm}-seed{seed}.json").write_text(json.dumps(record))
     return record
@@ -88,26 +94,27 @@ def workers_for(requested: int) -> int:
     return requested or max(1, min(4, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()))
 
 
-def run_all(root: Path, setting: Setting, train_bytes: int | None, seeds: list[int], scratch: list[str], workers: int,
+def run_all(root: Path, setting: Setting, seeds: list[int], scratch: list[str], workers: int,
             report=print) -> dict[tuple[str, int], dict]:
-    """Every arm for every seed: the from-scratch arms first, and each seed's upcycling pair as soon as its
-    dense_scratch model is saved. Returns {(arm, seed): record}."""
-    jobs = [(arm, seed) for seed in seeds for arm in scratch]
+    """Every arm for every seed: the dense runs' first halves first, then the other from-scratch arms; each seed's
+    dense second half and upcycled run as soon as its first half is saved. Returns {(arm, seed): record}."""
+    jobs = [("dense", seed, "first") for seed in seeds] + [(a, seed, "") for seed in seeds for a in scratch if a != "dense"]
     records = {}
     context = multiprocessing.get_context("spawn")  # a fresh interpreter: no threads or locks inherited
     with ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-        pending = {pool.submit(run_arm, str(root), setting, train_bytes, arm, seed): (arm, seed) for arm, seed in jobs}
+        pending = {pool.submit(run_job, str(root), setting, *job): job for job in jobs}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for future in done:
-                arm, seed = pending.pop(future)
-                records[arm, seed] = record = future.result()
+                arm, seed, part = pending.pop(future)
+                record = future.result()
+                if part == "first":
+                    for follow, second in (("dense", "second"), (UPCYCLED[0], "")):
+                        pending[pool.submit(run_job, str(root), setting, follow, seed, second)] = (follow, seed, second)
+                    continue
+                records[arm, seed] = record
                 report(f"      {arm:>15} seed {seed}: held-out loss {record['val_loss']:.4f} "
                        f"({record['train_tokens']:,} tokens, {record['wall_s']:.0f} s)")
-                if arm == "dense_scratch":
-                    for follow in ("dense_continued", "moe_upcycled"):
-                        job = pool.submit(run_arm, str(root), setting, train_bytes, follow, seed)
-                        pending[job] = (follow, seed)
     return records
 
 
