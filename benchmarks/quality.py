@@ -126,8 +126,9 @@ class Results:
 
     def __init__(self, path: Path, s: Setting, stats: dict, environment: dict):
         self.path, self.head = path, {"setting": s.compatible(), "corpus": stats, "environment": environment}
-        with self.locked() as results:
-            if results.get("runs") and (results["setting"] != s.compatible() or results["corpus"] != stats):
+        if path.exists():
+            results = json.loads(path.read_text())
+            if results["setting"] != s.compatible() or results["corpus"] != stats:
                 old = {**results["setting"], **results["corpus"]}
                 differ = sorted(k for k, v in {**s.compatible(), **stats}.items() if old.get(k) != v)
                 raise SystemExit(f"{path} holds runs of another setting or corpus (differs in {', '.join(differ)}); "

@@ -1,21 +1,31 @@
 """`hf-ppmoe demo --quick`: every arm and stage runs and results.json holds every field; the arms compared at equal
-FLOPs per token are equal in FLOPs (from the configs); all arms of a seed see the same batches; the report's claims
-follow results.json (a claim only when every seed agrees beyond twice the spread); the numbers are the models'."""
+FLOPs per token are equal in FLOPs (from the configs); all arms of a seed see the same batches; a saved run continues
+exactly as an unbroken one, so the demo's split dense run, quality.py's budget branches and `--tokens` agree to the
+last digit; the schedule is Transformers' WSD; upcycling copies the optimizer state; the report's claims follow
+results.json (a claim only when every seed agrees beyond twice the spread) and quote the budget curve."""
 
 import hashlib
+import importlib.util
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.optimization import get_wsd_schedule
 
 from hf_ppmoe_cli import main as cli
+from hf_ppmoe.demo.budget import curve_for
+from hf_ppmoe.demo.gpt import setting_of
+from hf_ppmoe.demo.loop import Run, cooldown_start, evaluate, held_out_blocks, learning_rate, train, windows
 from hf_ppmoe.demo.options import DemoArguments
-from hf_ppmoe.demo.protocol import CPU, QUICK, SCRATCH_ARMS, evaluate, flops_per_token, held_out_blocks, windows
-from hf_ppmoe.demo.report import judge, report_markdown, sentence
-from hf_ppmoe.demo.runs import load_data, run_arm
+from hf_ppmoe.demo.protocol import CPU, QUICK, SCRATCH_ARMS, build, check_blocks, flops_per_token, upcycle_run
+from hf_ppmoe.demo.report import budget_sentence, claims, judge, report_markdown, sentence
+from hf_ppmoe.demo.runs import load_data, run_job
 
-ARMS = ["dense_scratch", "moe_scratch", "dense_continued", "moe_upcycled"]
+ARMS = ["dense", "moe_scratch", "moe_upcycled"]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +35,27 @@ def demo(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text()), (out / "report.md").read_text()
 
 
+@pytest.fixture
+def one_thread():
+    """The demo's workers run one thread each; in-process runs compared with theirs to the last digit do too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def quality():
+    spec = importlib.util.spec_from_file_location("quality_for_demo", ROOT / "benchmarks" / "quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_every_arm_runs_and_results_json_has_every_field(demo):
     out, results, report = demo
-    assert set(ARMS) <= set(results["arms"])
+    assert set(ARMS) == set(results["arms"])  # the parameter bound only with --parameter_bound
     for name in ARMS:
         arm = results["arms"][name]
         assert isinstance(arm["params_total"], int) and isinstance(arm["params_active"], int)
@@ -40,57 +68,130 @@ def test_every_arm_runs_and_results_json_has_every_field(demo):
         assert (out / plot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"]({plot})" in report
     assert results["upcycling"]["logit_gap"] < 1e-4 and results["generation"]["same"] is True
     assert isinstance(AutoModelForCausalLM.from_pretrained(out / "merged"), LlamaForCausalLM)  # plain Transformers
+    assert results["run_time_min"] > 0 and set(results["stages_s"]) == {"data", "training", "speed, shares, generation, merging"}
 
 
 def test_equal_flops_arms_are_equal_in_flops_from_their_configs(demo):
     out, results, _ = demo
     configs = {a: AutoModelForCausalLM.from_pretrained(out / "models" / f"{a}-seed0").config for a in ARMS}
     parts = {a: flops_per_token(c, QUICK.block) for a, c in configs.items()}
-    dense, moe = parts["dense_scratch"], parts["moe_scratch"]
+    dense, moe = parts["dense"], parts["moe_scratch"]
     assert (moe["attention"], moe["ffn"]) == (dense["attention"], dense["ffn"])  # the same work per token ...
     assert dense["router"] == 0 < moe["router"] < 0.02 * dense["train"] / 3  # ... plus the router alone
+    assert configs["moe_scratch"].num_experts == 4 and all(configs["moe_scratch"].is_moe_layer(i) for i in range(2))
     assert results["arms"]["moe_scratch"]["flops_per_token"] == moe["train"]
-    assert results["arms"]["moe_scratch"]["train_tokens"] == results["arms"]["dense_scratch"]["train_tokens"]
-    assert results["arms"]["moe_upcycled"]["train_tokens"] == results["arms"]["dense_continued"]["train_tokens"]
-    assert parts["moe_upcycled"]["ffn"] > parts["dense_continued"]["ffn"]  # upcycling: equal tokens, more FLOPs (said so)
+    arms = results["arms"]
+    assert arms["moe_scratch"]["train_tokens"] == arms["dense"]["train_tokens"] == QUICK.tokens()
+    assert arms["moe_upcycled"]["train_tokens"] == QUICK.tokens() // 2 == arms["moe_upcycled"]["start_tokens"]
+    assert parts["moe_upcycled"]["ffn"] > parts["dense"]["ffn"]  # upcycling: equal tokens, more FLOPs (said so)
 
 
 def test_all_arms_of_a_seed_see_the_same_batches(demo):
     out, results, _ = demo
     order = {a: results["arms"][a]["data_order"] for a in ARMS}
     for seed in ("0", "1"):
-        assert order["dense_scratch"][seed] == order["moe_scratch"][seed]
-        assert order["dense_continued"][seed] == order["moe_upcycled"][seed]
-    assert order["dense_scratch"]["0"] != order["dense_scratch"]["1"]
-    # the hash is of the batches themselves: drawn again as the loop draws them
-    data, s = load_data(QUICK, out, None), QUICK
-    generator, digest = torch.Generator().manual_seed(1), hashlib.sha1()
+        assert order["dense"][seed] == order["moe_scratch"][seed] == order["moe_upcycled"][seed]
+    assert order["dense"]["0"] != order["dense"]["1"]
+    # the chain is of the batches themselves: drawn again as the loop draws them
+    data, s = load_data(QUICK, out), QUICK
+    generator, chain = torch.Generator().manual_seed(1), ""
     for _ in range(s.steps):
         x = windows(data["train"], torch.randint(len(data["train"]) - s.block, (s.batch,), generator=generator), s.block)
-        digest.update(x.numpy().tobytes())
-    assert digest.hexdigest() == order["moe_scratch"]["1"]
+        chain = hashlib.sha1(chain.encode() + x.numpy().tobytes()).hexdigest()
+    assert chain == order["moe_scratch"]["1"]
 
 
-def test_numbers_are_the_models_and_do_not_depend_on_the_process(demo):
+def test_numbers_are_the_models_and_do_not_depend_on_the_process(demo, one_thread):
     out, results, _ = demo
-    data = load_data(QUICK, out, None)
+    data = load_data(QUICK, out)
     model = AutoModelForCausalLM.from_pretrained(out / "models" / "moe_scratch-seed1")
-    assert evaluate(model, held_out_blocks(data, QUICK), QUICK) == pytest.approx(results["arms"]["moe_scratch"]["held_out_loss"]["1"], abs=1e-6)
+    loss = results["arms"]["moe_scratch"]["held_out_loss"]["1"]
+    assert evaluate(model, held_out_blocks(data, QUICK, QUICK.final_blocks), QUICK) == pytest.approx(loss, abs=1e-6)
     assert sum(p.numel() for p in model.parameters()) == results["arms"]["moe_scratch"]["params_total"]
-    again = run_arm(str(out / "again"), QUICK, None, "moe_scratch", 1)  # in this process, not a worker
-    assert again["val_loss"] == pytest.approx(results["arms"]["moe_scratch"]["held_out_loss"]["1"], abs=1e-6)
+    again = run_job(str(out / "again"), QUICK, "moe_scratch", 1)  # in this process, not a worker
+    assert again["val_loss"] == loss
+
+
+def test_a_saved_run_continues_exactly_and_budgets_branch_exactly(demo, quality, tmp_path, one_thread):
+    """The demo's dense runs (saved at B / 2, resumed in another process) and upcycled runs equal quality.py's
+    unbroken runs, and quality.py's branch at budget B of a 2B run equals the demo at --tokens B: to the last digit."""
+    out, results, _ = demo
+    quality.run_all(QUICK, "quick", tmp_path / "q.json", out, [0], ["dense", "top2_e4"], [QUICK.steps, 2 * QUICK.steps],
+                    verbose=False)
+    runs = json.loads((tmp_path / "q.json").read_text())["runs"]
+    for demo_arm, arm in (("dense", "dense"), ("moe_scratch", "top2_e4"), ("moe_upcycled", "upcycle_moe")):
+        record = json.loads((out / "runs" / f"{demo_arm}-seed0.json").read_text())
+        branch = runs[f"{arm}/0@{QUICK.steps}"]
+        assert branch["val_loss"] == record["val_loss"] and branch["data_order"] == record["data_order"]
+        assert [p["val_loss"] for p in branch["curve"]] == [p["val_loss"] for p in record["curve"]]
+    s = setting_of(DemoArguments(quick=True, tokens=QUICK.tokens(2 * QUICK.steps)))
+    assert s.steps == 2 * QUICK.steps
+    assert run_job(str(tmp_path / "longer"), s, "moe_scratch", 0)["val_loss"] == runs[f"top2_e4/0@{s.steps}"]["val_loss"]
+
+
+def test_the_schedule_is_transformers_wsd():
+    s = CPU
+    for steps in (500, 1000):
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=s.lr)
+        start = cooldown_start(s, steps)
+        schedule = get_wsd_schedule(optimizer, s.warmup, steps - start, num_stable_steps=start - s.warmup,
+                                    decay_type="1-sqrt")
+        reference = [s.lr * schedule.lr_lambdas[0](step) for step in range(steps)]
+        assert [learning_rate(s, step, steps) for step in range(steps)] == pytest.approx(reference, rel=1e-12, abs=1e-15)
+    # a 500-step run and a 1000-step run share every rate before the shorter one's cool-down
+    assert all(learning_rate(s, t, 500) == learning_rate(s, t, 1000) for t in range(cooldown_start(s, 500)))
+
+
+def test_upcycling_copies_the_optimizer_state(demo, one_thread):
+    out, _, _ = demo
+    data, s = load_data(QUICK, out), QUICK
+    run = Run.start(build(s, data["tokenizer"], SCRATCH_ARMS["dense"][1], 0), s, 0)
+    train(run, data, s, s.steps // 2, s.steps)
+    moe, gap = upcycle_run(run, s, 0, check_blocks(data, s))
+    assert gap < 1e-4 and moe.step == run.step and moe.data_order == run.data_order
+    dense_state = {n: run.optimizer.state[p] for n, p in run.model.named_parameters()}
+    state = {n: moe.optimizer.state.get(p) for n, p in moe.model.named_parameters()}
+    layer = "model.layers.1.mlp"
+    assert state[f"{layer}.gate.weight"] is None  # the router starts without state
+    for key in ("exp_avg", "exp_avg_sq"):
+        gate_up, down = state[f"{layer}.experts.gate_up_proj"][key], state[f"{layer}.experts.down_proj"][key]
+        for e in range(gate_up.shape[0]):  # every expert holds the dense FFN's moments, as it holds its weights
+            assert torch.equal(gate_up[e], torch.cat([dense_state[f"{layer}.gate_proj.weight"][key],
+                                                      dense_state[f"{layer}.up_proj.weight"][key]]))
+            assert torch.equal(down[e], dense_state[f"{layer}.down_proj.weight"][key])
+        assert torch.equal(state["model.layers.0.mlp.gate_proj.weight"][key], dense_state["model.layers.0.mlp.gate_proj.weight"][key])
+    assert state[f"{layer}.experts.down_proj"]["step"] == dense_state[f"{layer}.down_proj.weight"]["step"] == s.steps // 2
 
 
 def test_the_report_states_exactly_the_verdicts_of_results_json(demo):
     _, results, report = demo
-    assert list(results["claims"]) == ["from_scratch", "upcycling"]  # the parameter bound only with --parameter_bound
+    assert list(results["claims"]) == ["from_scratch", "upcycling"]
     for claim in results["claims"].values():
         diffs = list(claim["per_seed"].values())
         assert claim["verdict"] == judge(diffs) and sentence(claim) in report
+        assert claim["lower"] == sum(d < 0 for d in diffs)
     # change the numbers: the report changes its verdict with them
     edited = json.loads(json.dumps(results))
-    edited["claims"]["from_scratch"].update(per_seed={"0": -0.05, "1": -0.052}, mean=-0.051, std=0.0014, verdict="holds")
-    assert "**Holds.** moe_scratch minus dense_scratch per seed: -0.0500, -0.0520" in report_markdown(edited)
+    edited["claims"]["from_scratch"].update(per_seed={"0": -0.05, "1": -0.052}, mean=-0.051, std=0.0014, lower=2,
+                                           verdict="holds")
+    assert "**Holds.** moe_scratch minus dense per seed: -0.0500, -0.0520" in report_markdown(edited)
+
+
+def test_the_report_quotes_the_budget_curve():
+    points = [{"tokens": t, "per_seed": {"0": d, "1": d - 0.01, "2": d - 0.02}, "mean": d - 0.01, "std": 0.01,
+               "lower": 3 if d < 0 else 1, "verdict": v}
+              for t, d, v in ((1_000, 0.005, "not shown"), (2_000, -0.01, "not shown"), (4_000, -0.03, "holds"),
+                              (8_000, -0.05, "holds"))]
+    curve = {"setting": QUICK.compatible(), "seeds": [0, 1, 2], "claims": {"from_scratch": points}}
+    arms = {a: {"held_out_loss": {"0": 4.0, "1": 4.1, "2": 4.2}} for a in ("dense", "moe_scratch", "moe_upcycled")}
+    verdicts = claims(arms, 2_000, curve)
+    assert verdicts["from_scratch"]["curve"]["clears_at"] == 4_000
+    assert verdicts["from_scratch"]["curve"]["here"]["tokens"] == 2_000
+    assert "clears the rule from 0.00M tokens per run on: `hf-ppmoe demo --tokens 4000`" in budget_sentence(verdicts["from_scratch"])
+    assert "curve" not in verdicts["upcycling"] and "No budget curve" in budget_sentence(verdicts["upcycling"])
+    points[2]["verdict"] = "not shown"  # a budget that holds below one that does not: "from" the last run of holds
+    assert claims(arms, 2_000, curve)["from_scratch"]["curve"]["clears_at"] == 8_000
+    assert curve_for(QUICK) is None  # the curve stored with the package was measured for the CPU setting only
 
 
 def test_judge_claims_only_what_every_seed_supports():
@@ -99,31 +200,22 @@ def test_judge_claims_only_what_every_seed_supports():
     assert judge([-0.02, 0.01, -0.01]) == "not shown"  # the seeds disagree
     assert judge([-0.001, -0.03, -0.002]) == "not shown"  # one sign, but the mean is within 2 std of 0
     assert judge([0.01, 0.012]) == "reversed"
-    claim = {"arm": "a", "baseline": "b", "per_seed": {"0": -0.001, "1": -0.03, "2": -0.002}, "mean": -0.011, "std": 0.0165,
-             "verdict": "not shown"}
+    claim = {"arm": "a", "baseline": "b", "per_seed": {"0": -0.001, "1": -0.03, "2": -0.002}, "mean": -0.011,
+             "std": 0.0165, "lower": 3, "verdict": "not shown"}
     assert "every seed agrees on the sign, but the mean is within twice the spread" in sentence(claim)
 
 
 @pytest.mark.parametrize("flags, named", [({"seeds": 0}, "--seeds"), ({"workers": -1}, "--workers"),
                                           ({"num_experts_per_tok": 9}, "--num_experts_per_tok"),
-                                          ({"hidden_size": 100}, "--hidden_size")])
+                                          ({"hidden_size": 100}, "--hidden_size"), ({"tokens": -1}, "--tokens")])
 def test_impossible_flags_are_refused_by_name(flags, named):
     with pytest.raises(ValueError, match=named):
         DemoArguments(**flags)
 
 
-def test_the_demo_arms_are_quality_benchmark_arms():
-    """One experiment: the demo's from-scratch arms are benchmarks/quality.py's `dense`, `top2` and `dense_wide`."""
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "quality.py"
-    spec = importlib.util.spec_from_file_location("quality_for_demo", path)
-    quality = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = quality
-    spec.loader.exec_module(quality)
+def test_the_demo_arms_are_quality_benchmark_arms(quality):
+    """One experiment: the demo's from-scratch arms are benchmarks/quality.py's `dense`, `top2_e4` and `dense_2f`."""
     F = 4 * quality.SETTINGS["cpu"].hidden
-    for demo_arm, quality_arm in (("dense_scratch", "dense"), ("moe_scratch", "top2"), ("dense_wide", "dense_wide")):
+    for demo_arm, quality_arm in (("dense", "dense"), ("moe_scratch", "top2_e4"), ("dense_wide", "dense_2f")):
         assert SCRATCH_ARMS[demo_arm][1](F) == quality.ARMS[quality_arm][1](F)
     assert quality.SETTINGS["cpu"] is CPU  # the demo's setting is the benchmark's
