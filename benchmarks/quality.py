@@ -187,7 +187,7 @@ def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[i
         record = {**result(run, s, started), **extra, "wall_s": time.perf_counter() - began[0],
                   "cpu_s": time.process_time() - began[1]}
         if noise:
-            record["windows"] = {n: window_losses(run.model, held_out_blocks(data, s, n), s).tolist() for n in NOISE_BLOCKS}
+            record["windows"] = {str(n): window_losses(run.model, held_out_blocks(data, s, n), s).tolist() for n in NOISE_BLOCKS}
         results = store.add(k, record)
         trained.append(k)
         write_report(results, name, results_path)
@@ -336,6 +336,27 @@ def verdict(diffs: list[float]) -> str:
     return "**yes**" if t < -critical else "**reversed**" if t > critical else "null (not resolved)"
 
 
+def evaluation_noise(budgets: dict, resamples: int = 1000) -> list[dict]:
+    """R7 of benchmarks/PROTOCOL.md: for each demo claim, budget and seed whose runs recorded per-window losses
+    (`--noise`), the bootstrap standard error (`resamples` draws of the windows, with replacement) of the paired
+    difference arm - baseline, for each held-out set size of NOISE_BLOCKS."""
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for steps, arms in budgets.items():
+        for claim, (arm, baseline) in DEMO_CLAIMS.items():
+            for seed in sorted(set(arms.get(arm, {})) & set(arms.get(baseline, {}))):
+                mine, theirs = arms[arm][seed].get("windows"), arms[baseline][seed].get("windows")
+                if not mine or not theirs:
+                    continue
+                row = {"steps": steps, "claim": claim, "seed": seed}
+                for n in NOISE_BLOCKS:
+                    diff = torch.tensor(mine[str(n)], dtype=torch.float64) - torch.tensor(theirs[str(n)], dtype=torch.float64)
+                    draws = torch.randint(len(diff), (resamples, len(diff)), generator=generator)
+                    row[n] = {"difference": diff.mean().item(), "se": diff[draws].mean(1).std().item()}
+                rows.append(row)
+    return rows
+
+
 def write_report(results: dict, name: str, results_path: Path) -> None:
     """A markdown table (`<results>.md`) and the curves (`<results>.png`) of every finished run."""
     budgets = by_budget({k: v for k, v in results["runs"].items() if "@" in k})
@@ -396,6 +417,14 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
             for p in points:
                 lines.append(f"| {claim} | {p['tokens'] / 1e6:.2f}M | {', '.join(f'{v:+.4f}' for v in p['per_seed'].values())} "
                              f"| {p['mean']:+.4f} | {p['std']:.4f} | {p['lower']} of {len(p['per_seed'])} | {p['verdict']} |")
+    noise = evaluation_noise(budgets)
+    if noise:
+        lines += ["", "## Evaluation noise (bootstrap standard error of the paired difference over held-out windows)", "",
+                  "| steps | claim | seed | " + " | ".join(f"{n} windows: difference (se)" for n in NOISE_BLOCKS) + " |",
+                  "|---|---|---|" + "---|" * len(NOISE_BLOCKS)]
+        for row in noise:
+            lines.append(f"| {row['steps']} | {row['claim']} | {row['seed']} | "
+                         + " | ".join(f"{row[n]['difference']:+.4f} ({row[n]['se']:.4f})" for n in NOISE_BLOCKS) + " |")
     results_path.with_suffix(".md").write_text("\n".join(lines) + "\n")
     if budgets:
         plot(budgets, results_path.with_suffix(".png"), name, s["batch"] * s["block"])
