@@ -234,5 +234,9 @@ def run_demo(args: DemoArguments) -> Path:
                         "load_end": os.getloadavg()[0]},
     }
     path = write_results(root, results, arms, shares["shares"])
-    print(f"done in {clock.minutes():.1f} min: report at {path.resolve()} (results.json, losses.png, expert_share.png)")
+    env = results["environment"]
+    print(f"done in {clock.minutes():.1f} min on {env['cores']} CPU cores, {run['workers']} runs side by side (1-min load "
+          f"average {env['load_start']:.1f} at the start, {env['load_end']:.1f} at the end; "
+          + ", ".join(f"{k} {v / 60:.1f} min" for k, v in clock.stages.items())
+          + f"): report at {path.resolve()} (results.json, losses.png, expert_share.png)")
     return path
