@@ -70,8 +70,8 @@ class Setting:
 
 # Revision 2 (benchmarks/PROTOCOL.md): the demo's default and quality.py's `cpu` setting. lr and warmup: R5's
 # tuning on validation seeds; steps: R6's budget; final_blocks: R7's measurement.
-CPU = Setting(hidden=64, layers=4, heads=2, block=128, batch=16, vocab=2048, steps=1000, lr=3e-3, warmup=50,
-              eval_every=50, eval_blocks=160, final_blocks=160, seeds=3)
+CPU = Setting(hidden=64, layers=4, heads=2, block=128, batch=16, vocab=2048, steps=1000, lr=4e-3, warmup=150,
+              eval_every=50, eval_blocks=160, final_blocks=2560, seeds=3)
 # `--quick`: tiny models on 30 files, a few steps: every stage runs in seconds (a check, not a result)
 QUICK = Setting(hidden=32, layers=2, heads=2, block=32, batch=4, vocab=320, steps=8, lr=1e-3, warmup=1, eval_every=2,
                 eval_blocks=4, final_blocks=6, seeds=2, max_files=30)
@@ -122,9 +122,12 @@ def corpus(work: Path, vocab: int, max_files: int | None = None) -> dict:
         tokenizer = train_tokenizer(read(sorted(fit_files)), vocab_size=vocab)
         eos = tokenizer.eos_token_id
 
-        def encode(texts):
-            encodings = tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)
-            return torch.tensor([i for e in encodings for i in [*e.ids, eos]], dtype=torch.int32)
+        def encode(texts):  # 100 files at a time: the tokenizer's encodings of every file would take GBs
+            ids = []
+            for i in range(0, len(texts), 100):
+                encodings = tokenizer.backend_tokenizer.encode_batch(texts[i : i + 100], add_special_tokens=False)
+                ids += [torch.tensor([*e.ids, eos], dtype=torch.int32) for e in encodings]
+            return torch.cat(ids)
 
         tokens = {"train": encode(train_texts), "val": encode(val_texts)}
         stats = {
