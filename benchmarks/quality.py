@@ -302,7 +302,7 @@ def dense_tokens_to_match(budgets: dict, seed: int, loss: float) -> float | None
 
 def curve_summary(results: dict) -> dict:
     """The budget curve as `hf_ppmoe.demo.budget.CURVE` holds it: per demo claim and budget, the per-seed
-    differences, their mean and standard deviation, the seeds lower, and the demo's rule's verdict; and per budget
+    differences, their mean and standard deviation, the seeds lower ("agree"), and the demo's rule's verdict; and per budget
     the tokens the dense model needs to reach the MoE's loss (per seed)."""
     budgets = by_budget(results["runs"])
     s = results["setting"]
@@ -317,7 +317,7 @@ def curve_summary(results: dict) -> dict:
             values = list(diffs.values())
             point = {"tokens": steps * s["batch"] * s["block"], "per_seed": {str(k): v for k, v in diffs.items()},
                      "mean": statistics.mean(values), "std": statistics.stdev(values),
-                     "lower": sum(v < 0 for v in values), "verdict": judge(values)}
+                     "agree": sum(v < 0 for v in values), "verdict": judge(values)}
             if claim == "from_scratch":
                 point["dense_tokens_to_match"] = {str(seed): dense_tokens_to_match(budgets, seed, arms[arm][seed]["val_loss"])
                                                   for seed in diffs}
@@ -416,7 +416,7 @@ def write_report(results: dict, name: str, results_path: Path) -> None:
         for claim, points in curve["claims"].items():
             for p in points:
                 lines.append(f"| {claim} | {p['tokens'] / 1e6:.2f}M | {', '.join(f'{v:+.4f}' for v in p['per_seed'].values())} "
-                             f"| {p['mean']:+.4f} | {p['std']:.4f} | {p['lower']} of {len(p['per_seed'])} | {p['verdict']} |")
+                             f"| {p['mean']:+.4f} | {p['std']:.4f} | {p['agree']} of {len(p['per_seed'])} | {p['verdict']} |")
     noise = evaluation_noise(budgets)
     if noise:
         lines += ["", "## Evaluation noise (bootstrap standard error of the paired difference over held-out windows)", "",

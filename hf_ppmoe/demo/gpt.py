@@ -20,22 +20,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import platform
 from pathlib import Path
 
 import torch
-import transformers
 from transformers import AutoModelForCausalLM
 
 from ..conversion import merge_experts
 from ..generation import flat_beam_search
-from ..moe.layer import MoELayer
+from ..training.tracking import RouterMonitor
 from .budget import curve_for
 from .loop import evaluate, held_out_blocks
 from .options import DemoArguments
 from .plots import plot_comparison, plot_expert_share, spread
 from .protocol import CPU, HELD_OUT_EVERY, QUICK, SCRATCH_ARMS, TOKENIZER_BYTES, UPCYCLED, check_blocks, upcycle_from
-from .report import CLAIM_RULE, budget_sentence, claims, report_markdown, sentence
+from .report import CLAIM_RULE, budget_sentence, claims, environment, publish, report_markdown, run_time, sentence
 from .runs import Clock, half_state, load_data, paired_speed, quiet, run_all, workers_for
 
 PROMPT = "def read_file(path):\n"
@@ -47,15 +45,13 @@ RULE = ("revision 2 of the protocol, fixed by the written rules of benchmarks/PR
 
 @torch.no_grad()
 def expert_shares(model, blocks: torch.Tensor, batch_size: int) -> dict[str, list[float]]:
-    """Per MoE layer, the share of all routes (tokens x k) that each expert receives on `blocks`."""
-    names = [name for name, m in model.named_modules() if isinstance(m, MoELayer)]
-    E = model.config.num_experts
-    counts = torch.zeros(len(names), E)
+    """Per MoE layer, the share of all routes (tokens x k) that each expert receives on `blocks`, as training counts
+    them (`RouterMonitor`: the routes each layer's `Routing` reports)."""
+    monitor = RouterMonitor(model)
     for i in range(0, len(blocks), batch_size):
-        ids = model(blocks[i : i + batch_size], output_router_logits=True).router_expert_ids
-        counts += torch.stack([torch.bincount(layer.flatten(), minlength=E + 1)[:E].float() for layer in ids])
-    shares = counts / counts.sum(1, keepdim=True)
-    return {"layer " + name.split(".")[-2]: row.tolist() for name, row in zip(names, shares)}
+        model(blocks[i : i + batch_size], compute_router_losses=True)
+    monitor.remove()
+    return {"layer " + name.split(".")[-2]: (row / row.sum()).tolist() for name, row in monitor.tokens.items()}
 
 
 def setting_of(args: DemoArguments):
@@ -186,9 +182,8 @@ def merge_back(root: Path, run: dict) -> dict:
 
 
 def write_results(root: Path, results: dict, arms: dict, shares: dict) -> Path:
-    """results.json, the plots and report.md (from results.json's content alone)."""
+    """The plots, results.json and report.md (rendered from results.json's content: `report.publish`)."""
     print("[7/7] writing results.json, the plots and the report")
-    (root / "results.json").write_text(json.dumps(results, indent=1))
     pairs = [("from scratch, equal FLOPs per token", "moe_scratch", "dense"),
              ("upcycled at half the budget, equal tokens", "moe_upcycled", "dense")]
     runs = {arm: {seed: {"curve": [{"tokens": t, "val_loss": v} for t, v in curve]} for seed, curve in a["curve"].items()}
@@ -197,8 +192,7 @@ def write_results(root: Path, results: dict, arms: dict, shares: dict) -> Path:
     plot_expert_share({"upcycled, random router (before training)": shares["upcycled_init"],
                        "upcycled, after training": shares["upcycled"],
                        "from scratch, after training": shares["scratch"]}, root / "expert_share.png")
-    (root / "report.md").write_text(report_markdown(results))
-    return root / "report.md"
+    return publish(root, results, report_markdown)
 
 
 def run_demo(args: DemoArguments) -> Path:
@@ -228,15 +222,8 @@ def run_demo(args: DemoArguments) -> Path:
         "upcycling": {"logit_gap": shares["logit_gap"]},
         "expert_shares": {"spread": shares["spread"], "layers": shares["shares"]}, "generation": generation,
         "merged": merged, "workers": run["workers"], "stages_s": clock.stages, "run_time_min": clock.minutes(),
-        "environment": {"python": platform.python_version(), "torch": torch.__version__,
-                        "transformers": transformers.__version__, "cores": os.cpu_count(),
-                        "cpu": platform.processor() or platform.machine(), "load_start": clock.load[0],
-                        "load_end": os.getloadavg()[0]},
+        "environment": environment(clock.load[0]),
     }
     path = write_results(root, results, arms, shares["shares"])
-    env = results["environment"]
-    print(f"done in {clock.minutes():.1f} min on {env['cores']} CPU cores, {run['workers']} runs side by side (1-min load "
-          f"average {env['load_start']:.1f} at the start, {env['load_end']:.1f} at the end; "
-          + ", ".join(f"{k} {v / 60:.1f} min" for k, v in clock.stages.items())
-          + f"): report at {path.resolve()} (results.json, losses.png, expert_share.png)")
+    print(f"done: {run_time(results)}\nReport at {path.resolve()} (results.json, losses.png, expert_share.png)")
     return path

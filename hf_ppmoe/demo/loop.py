@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..modeling import GPTMoEForCausalLM
 from ..moe import LoadBalancer
+from ..training.steps import forward_backward, token_losses
 from ..training.tracking import RouterMonitor
 from ..utils.atomic import atomic_folder
 
@@ -63,7 +63,7 @@ class Run:
     data_order: str = ""
     curve: list = field(default_factory=list)
     timing: dict = field(default_factory=lambda: {"steps": 0, "wall": 0.0, "cpu": 0.0})
-    balancer: LoadBalancer = None
+    balancer: LoadBalancer | None = None  # made by __post_init__
 
     def __post_init__(self):
         if self.balancer is None:  # bias balancing / global-batch loss: after every optimizer step
@@ -111,18 +111,14 @@ def held_out_blocks(data: dict, s, count: int | None = None) -> torch.Tensor:
     return windows(val, torch.linspace(0, len(val) - s.block - 1, count or s.eval_blocks).long(), s.block)
 
 
-@torch.no_grad()
 def window_losses(model, blocks: torch.Tensor, s) -> torch.Tensor:
-    """Per held-out window, the mean next-token cross-entropy (router losses excluded), float64."""
+    """Per held-out window, the mean next-token cross-entropy (`token_losses`: router losses excluded), float64."""
     model.eval()
     losses = []
     for x in blocks.split(s.batch):
-        x = x.to(s.device)
         with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            quiet = {"compute_router_losses": False} if isinstance(model, GPTMoEForCausalLM) else {}  # no statistics
-            logits = model(x, **quiet).logits
-        ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), x[:, 1:].flatten(), reduction="none")
-        losses.append(ce.view(len(x), -1).double().mean(1).cpu())
+            ce, _ = token_losses(model, x.to(s.device))
+        losses.append(ce.double().mean(1).cpu())
     model.train()
     return torch.cat(losses)
 
@@ -167,13 +163,12 @@ def train(run: Run, data: dict, s, until: int, steps: int, label: str = "", verb
         x = windows(data["train"], torch.randint(len(data["train"]) - s.block, (s.batch,), generator=run.generator), s.block)
         run.data_order = hashlib.sha1(run.data_order.encode() + x.numpy().tobytes()).hexdigest()
         x = x.to(s.device, non_blocking=True)
-        with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            out = model(x, labels=x)
-        out.loss.backward()
+        losses = forward_backward(model, {"input_ids": x, "labels": x}, causal=True, autocast=lambda: torch.autocast(
+            s.device, dtype=torch.bfloat16, enabled=s.bf16))
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        train_loss += out.lm_loss.detach()
+        train_loss += losses[0]
         run.step += 1
         if s.device == "cuda":
             torch.cuda.synchronize()

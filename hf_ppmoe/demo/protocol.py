@@ -30,7 +30,6 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from ..conversion import upcycle
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM
-from ..moe import MoELayer
 from ..training.data import train_tokenizer
 from .loop import Run, make_optimizer, windows
 
@@ -264,14 +263,8 @@ def flops_per_token(config, block: int) -> dict:
 
 
 def parameters(model) -> dict:
-    """Total parameters and those one token uses (an MoE layer's unused experts excluded)."""
-    total = sum(p.numel() for p in model.parameters())
-    unused = 0
-    for module in model.modules():
-        if isinstance(module, MoELayer):
-            E, k = module.experts.num_experts, model.config.num_experts_per_tok
-            unused += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
-    return {"total": total, "active": total - unused}
+    """Total parameters and those one token uses (the model's `num_active_parameters`)."""
+    return {"total": model.num_parameters(), "active": model.num_active_parameters()}
 
 
 def check_blocks(data: dict, s: Setting) -> torch.Tensor:

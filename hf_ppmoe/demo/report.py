@@ -1,11 +1,17 @@
-"""What the GPT demo claims and how it says it: the claims' rule, `results.json` (the protocol, every arm's size,
-FLOPs, tokens and per-seed held-out loss, the claims, speed and the other stages) and `report.md`, written from
-`results.json` alone, so that every sentence of the report follows from the file beside it."""
+"""What the demos claim and how they say it, in code both demos share: the claims' rule (`judge`, `compare`,
+`sentence`), and `publish`, which writes `results.json` and renders `report.md` from that file's content alone, so
+that every sentence of a report follows from the file beside it (`environment` and `run_time` are the parts both
+reports hold). The GPT demo's claims and report: `claims`, `report_markdown`; the Seq2Seq demo's: `seq2seq.py`."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import platform
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 
 CLAIM_RULE = ("A claim holds only when the arm ends below its baseline in every seed AND the mean difference is more "
               "than twice the standard deviation of the per-seed differences; reversed when the same holds the other "
@@ -34,13 +40,14 @@ def judge(diffs: list[float]) -> str:
     return "not shown"
 
 
-def compare(mine: dict, theirs: dict) -> dict:
-    """Per-seed differences of two arms' held-out losses ({seed: loss}), their mean, standard deviation, how many
-    seeds are lower, and the verdict."""
+def compare(mine: dict, theirs: dict, better: str = "lower", unit: str = "nats") -> dict:
+    """Per-seed differences of two arms' values ({seed: value}, `better` "lower" or "higher"), their mean and
+    standard deviation, how many seeds agree with the claim (the arm `better`), and the verdict (`judge`)."""
     per_seed = {seed: mine[seed] - theirs[seed] for seed in mine if seed in theirs}
     diffs = list(per_seed.values())
+    toward = [d if better == "lower" else -d for d in diffs]  # < 0: the arm is better
     return {"per_seed": per_seed, "mean": statistics.mean(diffs), "std": statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
-            "lower": sum(d < 0 for d in diffs), "verdict": judge(diffs)}
+            "better": better, "unit": unit, "agree": sum(d < 0 for d in toward), "verdict": judge(toward)}
 
 
 def claims(arms: dict, tokens: int | None = None, curve: dict | None = None) -> dict:
@@ -68,14 +75,15 @@ def claims(arms: dict, tokens: int | None = None, curve: dict | None = None) -> 
 def sentence(claim: dict) -> str:
     """The verdict in words, with the numbers behind it."""
     listed = ", ".join(f"{d:+.4f}" for d in claim["per_seed"].values())
-    n = len(claim["per_seed"])
-    numbers = (f"{claim['arm']} minus {claim['baseline']} per seed: {listed} nats (mean {claim['mean']:+.4f}, "
-               f"standard deviation {claim['std']:.4f}; lower in {claim['lower']} of {n} seeds)")
+    n, better = len(claim["per_seed"]), claim["better"]
+    worse = "higher" if better == "lower" else "lower"
+    numbers = (f"{claim['arm']} minus {claim['baseline']} per seed: {listed} {claim['unit']} (mean {claim['mean']:+.4f}, "
+               f"standard deviation {claim['std']:.4f}; {better} in {claim['agree']} of {n} seeds)")
     diffs = list(claim["per_seed"].values())
     if claim["verdict"] == "holds":
-        return f"**Holds.** {numbers}: lower in every seed, by more than twice the spread."
+        return f"**Holds.** {numbers}: {better} in every seed, by more than twice the spread."
     if claim["verdict"] == "reversed":
-        return f"**Reversed.** {numbers}: higher in every seed, by more than twice the spread."
+        return f"**Reversed.** {numbers}: {worse} in every seed, by more than twice the spread."
     if n < 2:
         why = "one seed has no spread to compare with (run with --seeds 3)"
     elif all(d < 0 for d in diffs) or all(d > 0 for d in diffs):
@@ -85,13 +93,40 @@ def sentence(claim: dict) -> str:
     return f"**Not shown at this budget.** {numbers}: {why}, so no difference is claimed."
 
 
+def environment(load_start: float) -> dict:
+    """The machine and versions a demo ran on, and the 1-min load average at its start and end."""
+    import torch
+    import transformers
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "cores": os.cpu_count(), "cpu": platform.processor() or platform.machine(), "load_start": load_start,
+            "load_end": os.getloadavg()[0]}
+
+
+def run_time(r: dict) -> str:
+    """The report's run-time sentence: minutes, cores, runs side by side, load, stages and versions."""
+    env = r["environment"]
+    side = f", {r['workers']} runs side by side" if "workers" in r else ""
+    return (f"{r['run_time_min']:.1f} minutes on {env['cores']} CPU cores{side} (1-min load average "
+            f"{env['load_start']:.1f} at the start, {env['load_end']:.1f} at the end): "
+            + ", ".join(f"{k} {v / 60:.1f} min" for k, v in r["stages_s"].items())
+            + f". Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}.")
+
+
+def publish(root: Path, results: dict, render: Callable[[dict], str]) -> Path:
+    """Write `results` to root/results.json, then root/report.md as `render` makes it from that file's content."""
+    (root / "results.json").write_text(json.dumps(results, indent=1))
+    (root / "report.md").write_text(render(json.loads((root / "results.json").read_text())))
+    return root / "report.md"
+
+
 def budget_sentence(claim: dict) -> str:
     """What the budget curve (more seeds, several budgets) says about the claim, and which budget clears it."""
     c = claim.get("curve")
     if c is None:
         return "No budget curve was measured for this setting."
     seeds = f"{len(c['seeds'])} seeds ({', '.join(map(str, c['seeds']))})"
-    points = "; ".join(f"{p['tokens'] / 1e6:.2f}M tokens: {p['verdict']}, lower in {p['lower']} of {len(p['per_seed'])}, "
+    points = "; ".join(f"{p['tokens'] / 1e6:.2f}M tokens: {p['verdict']}, lower in {p['agree']} of {len(p['per_seed'])}, "
                        f"mean {p['mean']:+.4f} sd {p['std']:.4f}" for p in c["points"])
     if c["clears_at"] is None:
         verdict = f"it does not clear the rule at any budget measured (up to {max(p['tokens'] for p in c['points']) / 1e6:.2f}M tokens)"
@@ -196,11 +231,7 @@ def report_markdown(r: dict) -> str:
               f"The seed-{first} upcycled MoE merged back into a plain `{m['model_class']}` (router-usage-weighted mean "
               f"of the experts): held-out loss {m['loss']:.4f} on the curves' windows, against {m['moe_loss']:.4f} for "
               "the MoE.", "",
-              "## Run time and machine", "",
-              f"{r['run_time_min']:.1f} minutes on {env['cores']} CPU cores, {r['workers']} runs side by side "
-              f"(1-min load average {env['load_start']:.1f} at the start, {env['load_end']:.1f} at the end): "
-              + ", ".join(f"{k} {v / 60:.1f} min" for k, v in r["stages_s"].items())
-              + f". Python {env['python']}, torch {env['torch']}, transformers {env['transformers']}.", "",
+              "## Run time and machine", "", run_time(r), "",
               "Folders: `runs/` (one JSON per arm and seed, with its curve), `models/` (every trained model), "
               "`states/` (the dense runs at half the budget, with their optimizer state), `merged/` (a plain "
               "Transformers model), `corpus-*/` (tokenizer and token streams).", ""]

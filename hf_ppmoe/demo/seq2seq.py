@@ -7,16 +7,17 @@
    parameters: equal FLOPs per token, the papers' comparison and the headline) and a dense model whose FFN is one
    expert wide (the MoE's width);
 3. held-out loss, and chrF / BLEU of GShard flat-beam-search outputs, per seed; a difference is claimed only when
-   every seed agrees and the mean exceeds twice the seeds' spread; tokens/s; a plot and generated samples;
-4. a report (markdown + PNG).
+   every seed agrees and the mean exceeds twice the seeds' spread (the GPT demo's rule, `report.py`); tokens/s; a
+   plot and generated samples;
+4. results.json, and report.md rendered from it (`report.publish`, as the GPT demo's).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import statistics
+import sys
 from pathlib import Path
 
 from ..modeling import Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
@@ -26,6 +27,7 @@ from ..training.stdlib_task import EVALUATION_FILES, stdlib_pairs
 from ..training.tracking import curve, read_jsonl
 from ..training.train import main as train
 from .plots import mean_curve, moving_average, pyplot, save
+from .report import CLAIM_RULE, compare, environment, publish, run_time, sentence
 from .runs import Clock
 
 QUICK = dict(finetune_steps=4, seeds=2, batch_size=16, block_size=32, hidden_size=32, num_layers=2, num_experts=4,
@@ -81,18 +83,6 @@ def _config(args, tokenizer, name: str) -> Seq2SeqMoEConfig:
     )
 
 
-def _verdict(name: str, diffs: list[float], unit: str, higher_is_better: bool) -> str:
-    listed = ", ".join(f"{d:+.3f}" for d in diffs)
-    if len(diffs) < 2:
-        return f"MoE minus {name}: {listed} {unit} from one seed: no spread to compare with, so no difference is claimed."
-    mean, spread = statistics.mean(diffs), statistics.stdev(diffs)
-    stats = f"MoE minus {name}: {listed} {unit} (mean {mean:+.3f}, standard deviation {spread:.3f} over {len(diffs)} seeds)"
-    if abs(mean) <= 2 * spread or not (all(d < 0 for d in diffs) or all(d > 0 for d in diffs)):
-        return f"{stats}: within the spread of the seeds, so no difference is claimed."
-    better = (mean > 0) == higher_is_better
-    return f"{stats}: the {'MoE' if better else name + ' model'} is better in every seed."
-
-
 def _plot(logs: dict[str, list[list[dict]]], path: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
@@ -110,6 +100,18 @@ def _plot(logs: dict[str, list[list[dict]]], path: Path) -> None:
     save(fig, path)
 
 
+# (name, statement, arm, baseline, metric, better, unit)
+CLAIMS = [
+    ("equal_flops_loss", "At equal FLOPs per token, the MoE reaches a lower held-out loss than the dense model of its "
+     "active parameters", "moe", "dense-active", "eval/loss", "lower", "nats"),
+    ("equal_flops_chrf", "Its flat-beam-search outputs reach a higher chrF", "moe", "dense-active", "eval/chrf", "higher",
+     "chrF"),
+    ("same_width_loss", "The MoE reaches a lower held-out loss than a dense model one expert wide", "moe", "dense",
+     "eval/loss", "lower", "nats"),
+    ("same_width_chrf", "Its flat-beam-search outputs reach a higher chrF", "moe", "dense", "eval/chrf", "higher", "chrF"),
+]
+
+
 def run_seq2seq_demo(args) -> Path:
     """The seq2seq demo with `DemoArguments` (steps: --finetune_steps; sizes: --hidden_size, --num_layers,
     --num_experts, --num_experts_per_tok; --seeds, --batch_size, --num_beams, --evaluations)."""
@@ -119,11 +121,12 @@ def run_seq2seq_demo(args) -> Path:
     (root / "data").mkdir(parents=True, exist_ok=True)
     clock = Clock()
     print("[1/4] reading the standard library's functions and docstrings")
-    train_pairs, held_pairs = stdlib_pairs(40 if args.quick else None)
-    write_jsonl(root / "data" / "train.jsonl", train_pairs)
-    write_jsonl(root / "data" / "held-out.jsonl", held_pairs)
-    tokenizer = train_tokenizer([t for p in train_pairs for t in (p["source"], p["target"])])
-    tokenizer.save_pretrained(root / "tokenizer")
+    with clock.stage("data"):
+        train_pairs, held_pairs = stdlib_pairs(40 if args.quick else None)
+        write_jsonl(root / "data" / "train.jsonl", train_pairs)
+        write_jsonl(root / "data" / "held-out.jsonl", held_pairs)
+        tokenizer = train_tokenizer([t for p in train_pairs for t in (p["source"], p["target"])])
+        tokenizer.save_pretrained(root / "tokenizer")
     counts = {}
     for name in MODELS:
         _config(args, tokenizer, name).to_json_file(root / f"{name}.json")
@@ -132,57 +135,79 @@ def run_seq2seq_demo(args) -> Path:
     seeds = data_order_seeds(args)
     steps, pairs = args.finetune_steps, min(len(held_pairs), args.eval_pairs)
     print(f"[2/4] training {', '.join(MODELS)} for {steps} steps on the same batches, seeds {seeds}")
-    results = {name: [] for name in MODELS}
-    for seed in seeds:  # interleaved, so that a change in the machine's load hits every model alike
-        for name in MODELS:
-            results[name].append(train_run(
-                args, root, f"{name}-seed{seed}", steps, seed, 1, config_name=str(root / f"{name}.json"),
-                max_source_length=args.block_size, max_target_length=32, generation_num_beams=args.num_beams,
-                generation_eval_pairs=pairs,
-            ))
-            r = results[name][-1]
-            print(f"      seed {seed} {name}: held-out loss {r['eval/loss']:.4f}, chrF {r['eval/chrf']:.2f}, BLEU {r['eval/bleu']:.2f}")
+    finals = {name: {} for name in MODELS}
+    with clock.stage("training"):
+        for seed in seeds:  # interleaved, so that a change in the machine's load hits every model alike
+            for name in MODELS:
+                r = finals[name][str(seed)] = train_run(
+                    args, root, f"{name}-seed{seed}", steps, seed, 1, config_name=str(root / f"{name}.json"),
+                    max_source_length=args.block_size, max_target_length=32, generation_num_beams=args.num_beams,
+                    generation_eval_pairs=pairs,
+                )
+                print(f"      seed {seed} {name}: held-out loss {r['eval/loss']:.4f}, chrF {r['eval/chrf']:.2f}, "
+                      f"BLEU {r['eval/bleu']:.2f}")
     logs = {name: [records(root, f"{name}-seed{s}") for s in seeds] for name in MODELS}
-    speed = {name: median_tokens_per_second(runs) for name, runs in logs.items()}
     print("[3/4] plot and samples")
     _plot(logs, root / "training.png")
-    samples = read_jsonl(root / f"moe-seed{seeds[0]}" / "logs" / "samples.jsonl")[:3]
-    print("[4/4] writing the report")
-    verdicts = [_verdict(NAMES[other], [m[key] - o[key] for m, o in zip(results["moe"], results[other])], unit, higher)
-                for other in ("dense-active", "dense")
-                for key, unit, higher in (("eval/loss", "nats", False), ("eval/chrf", "chrF", True))]
+    print("[4/4] writing results.json and the report")
+    metric = lambda name, key: {seed: r[key] for seed, r in finals[name].items()}  # noqa: E731
+    results = {
+        "quick": args.quick, "python": ".".join(map(str, sys.version_info[:3])), "seeds": seeds, "steps": steps,
+        "setting": {k: getattr(args, k) for k in ("batch_size", "block_size", "hidden_size", "num_layers", "num_experts",
+                                                   "num_experts_per_tok", "num_beams", "learning_rate")},
+        "task": {"held_out_files": list(EVALUATION_FILES), "held_out_pairs": len(held_pairs),
+                 "train_pairs": len(train_pairs), "vocab_size": len(tokenizer), "eval_pairs": pairs},
+        "models": {name: {"description": NAMES[name], "params_total": counts[name][0], "params_active": counts[name][1],
+                          "tokens_per_s": median_tokens_per_second(logs[name]),
+                          **{key.removeprefix("eval/"): metric(name, key) for key in ("eval/loss", "eval/chrf", "eval/bleu")}}
+                   for name in MODELS},
+        "claims": {claim: {"statement": statement, "arm": arm, "baseline": baseline,
+                           **compare(metric(arm, key), metric(baseline, key), better, unit)}
+                   for claim, statement, arm, baseline, key, better, unit in CLAIMS},
+        "samples": read_jsonl(root / f"moe-seed{seeds[0]}" / "logs" / "samples.jsonl")[:3],
+        "stages_s": clock.stages, "run_time_min": clock.minutes(), "environment": environment(clock.load[0]),
+    }
+    path = publish(root, results, report_markdown)
+    print(f"done: {run_time(results)}\nReport at {path.resolve()}")
+    return path
+
+
+def report_markdown(r: dict) -> str:
+    """report.md from results.json's content `r`."""
+    s, task, models, seeds = r["setting"], r["task"], r["models"], r["seeds"]
 
     def spread(name, key):
-        values = [r[key] for r in results[name]]
+        values = list(models[name][key].values())
         return f"{statistics.mean(values):.3f} ± {statistics.stdev(values) if len(values) > 1 else 0:.3f}"
 
     rows = "\n".join(
-        f"| {NAMES[name]} | {counts[name][0] / 1e6:.3f}M | {counts[name][1] / 1e6:.3f}M | {spread(name, 'eval/loss')} | "
-        f"{spread(name, 'eval/chrf')} | {spread(name, 'eval/bleu')} | {speed[name]:,.0f} |" for name in MODELS)
-    per_seed = "\n".join(f"| {seed} | " + " | ".join(f"{results[n][i]['eval/loss']:.4f} / {results[n][i]['eval/chrf']:.2f}"
-                                                     for n in MODELS) + " |" for i, seed in enumerate(seeds))
-    shown = "\n".join(f"- `{s['source'].splitlines()[0][:90]}` ...\n  - target: {s['target']}\n  - generated: {s['generated']!r}"
-                      for s in samples)
-    minutes = clock.minutes()
+        f"| {m['description']} | {m['params_total'] / 1e6:.3f}M | {m['params_active'] / 1e6:.3f}M | {spread(name, 'loss')} | "
+        f"{spread(name, 'chrf')} | {spread(name, 'bleu')} | {m['tokens_per_s']:,.0f} |" for name, m in models.items())
+    per_seed = "\n".join(f"| {seed} | " + " | ".join(f"{m['loss'][str(seed)]:.4f} / {m['chrf'][str(seed)]:.2f}"
+                                                     for m in models.values()) + " |" for seed in seeds)
+    shown = "\n".join(f"- `{x['source'].splitlines()[0][:90]}` ...\n  - target: {x['target']}\n  - generated: {x['generated']!r}"
+                      for x in r["samples"])
+    claims = {name: f"{c['statement']}: {sentence(c)}" for name, c in r["claims"].items()}
     quick = "\n*`--quick`: tiny models, few steps and few training files: a check that every stage runs, not a result.*\n"
-    report = f"""# hf-ppmoe demo --seq2seq
-{quick if args.quick else ""}
+    env = r["environment"]
+    return f"""# hf-ppmoe demo --seq2seq
+{quick if r["quick"] else ""}
 ## Task and data
 
-Python functions of the CPython {'.'.join(map(str, __import__('sys').version_info[:3]))} standard library (no download)
--> the first sentence of their docstring. Split by file: **held-out files** {", ".join(f"`{f}`" for f in EVALUATION_FILES)}
-({len(held_pairs)} pairs); training: every other file of the library but tests, GUI toolkits and demos
-({len(train_pairs)} pairs). Sources are cut at {args.block_size} tokens, targets at 32 (byte-level BPE,
-{len(tokenizer)} tokens, fitted on the training pairs).
+Python functions of the CPython {r["python"]} standard library (no download)
+-> the first sentence of their docstring. Split by file: **held-out files** {", ".join(f"`{f}`" for f in task["held_out_files"])}
+({task["held_out_pairs"]} pairs); training: every other file of the library but tests, GUI toolkits and demos
+({task["train_pairs"]} pairs). Sources are cut at {s["block_size"]} tokens, targets at 32 (byte-level BPE,
+{task["vocab_size"]} tokens, fitted on the training pairs).
 
 ## Models, at equal steps on the same batches
 
-Each trained from scratch for {steps} steps of {args.batch_size} pairs, {args.seeds} data-order seeds ({seeds}),
-hidden size {args.hidden_size}, {args.num_layers} encoder and {args.num_layers} decoder layers. MoE: every FFN
-{args.num_experts} experts of width {2 * args.hidden_size}, top-{args.num_experts_per_tok} (dropless). Held-out loss: cross-entropy per target
-token; chrF and BLEU (sacrebleu) of GShard flat beam search outputs ({args.num_beams} beams) for the first {pairs}
-held-out pairs. Mean ± standard deviation over the seeds; tokens/s: median step, CPU proxy ({os.cpu_count()} cores,
-shared; 1-min load average {clock.load[0]:.1f} at the start).
+Each trained from scratch for {r["steps"]} steps of {s["batch_size"]} pairs, {len(seeds)} data-order seeds ({seeds}),
+hidden size {s["hidden_size"]}, {s["num_layers"]} encoder and {s["num_layers"]} decoder layers. MoE: every FFN
+{s["num_experts"]} experts of width {2 * s["hidden_size"]}, top-{s["num_experts_per_tok"]} (dropless). Held-out loss: cross-entropy per target
+token; chrF and BLEU (sacrebleu) of GShard flat beam search outputs ({s["num_beams"]} beams) for the first {task["eval_pairs"]}
+held-out pairs. Mean ± standard deviation over the seeds; tokens/s: median step, CPU proxy ({env["cores"]} cores,
+shared; 1-min load average {env["load_start"]:.1f} at the start).
 
 | model | parameters | active per token | held-out loss | chrF | BLEU | tokens/s |
 |---|---|---|---|---|---|---|
@@ -190,13 +215,15 @@ shared; 1-min load average {clock.load[0]:.1f} at the start).
 
 Per seed, held-out loss / chrF:
 
-| seed | {" | ".join(NAMES[n] for n in MODELS)} |
+| seed | {" | ".join(m["description"] for m in models.values())} |
 |---|---|---|---|
 {per_seed}
 
-**Equal FLOPs per token (the papers' comparison):** {verdicts[0]} {verdicts[1]}
+**Equal FLOPs per token (the papers' comparison):** {claims["equal_flops_loss"]} {claims["equal_flops_chrf"]}
 
-**Same width:** {verdicts[2]} {verdicts[3]}
+**Same width:** {claims["same_width_loss"]} {claims["same_width_chrf"]}
+
+{CLAIM_RULE} Every number is in `results.json` beside this report.
 
 ![training](training.png)
 
@@ -206,9 +233,6 @@ Per seed, held-out loss / chrF:
 
 ## Run time
 
-{minutes:.1f} minutes on {os.cpu_count()} cores (1-min load average {clock.load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at
-the end). Folders: `data/`, `tokenizer/`, `<model>-seed<N>/` (model, card, `logs/metrics.jsonl`, `logs/samples.jsonl`).
+{run_time(r)} Folders: `data/`, `tokenizer/`, `<model>-seed<N>/` (model, card, `logs/metrics.jsonl`,
+`logs/samples.jsonl`).
 """
-    (root / "report.md").write_text(report)
-    print(f"done in {minutes:.1f} min: report at {(root / 'report.md').resolve()}")
-    return root / "report.md"

@@ -11,12 +11,13 @@
   count, so the loss each process back-propagates, averaged over micro-steps and processes, is the token-weighted
   mean of the global batch; any split of that batch over processes trains the same model.
 - `generation_metrics` generates for the validation sources with GShard flat beam search and scores the outputs
-  against the targets with sacrebleu (chrF and BLEU).
+  against the targets with sacrebleu (chrF and BLEU); `generate_and_score` does it for a finished training run.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import torch
@@ -205,3 +206,17 @@ def generation_metrics(model, tokenizer, pairs, *, num_beams: int = 4, max_new_t
     chrf = sacrebleu.corpus_chrf(outputs, [targets]).score
     bleu = sacrebleu.corpus_bleu(outputs, [targets]).score
     return {"eval/chrf": chrf, "eval/bleu": bleu}, outputs
+
+
+def generate_and_score(model, run) -> dict:
+    """chrF and BLEU of the final model's outputs (GShard flat beam search) for the first generation_eval_pairs
+    validation pairs of train.py's `run`, and a few of them as samples (logs/samples.jsonl)."""
+    args, pairs = run.args, run.data.validation_pairs
+    pairs = pairs.select(range(min(args.generation_eval_pairs or len(pairs), len(pairs))))
+    scores, outputs = generation_metrics(model, run.tokenizer, pairs, num_beams=args.generation_num_beams,
+                                         max_new_tokens=args.max_target_length, max_source_length=args.max_source_length,
+                                         batch_size=args.per_device_train_batch_size)
+    with open(Path(args.output_dir, "logs", "samples.jsonl"), "w") as f:
+        for pair, output in list(zip(pairs, outputs))[:8]:
+            f.write(json.dumps({"source": pair["source"], "target": pair["target"], "generated": output}) + "\n")
+    return scores

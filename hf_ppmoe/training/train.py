@@ -5,10 +5,11 @@
     train_step(run, step)           one optimizer step: the micro-steps (or one pipeline step), clipping, optimizer
     evaluate(run)                   LM loss and perplexity on the validation batches
     train(args)                     the loop: train_step, then log / evaluate / checkpoint at their intervals; save
-    finish(run, evaluation)         the outputs written, the trackers closed and the process group destroyed
+    finish(run, evaluation)         chrF / BLEU, the outputs written, the trackers closed, the process group destroyed
 
-The loop does no I/O of its own: model and tokenizer come from `build.py`, checkpoints are written and read by the
-`Checkpointer` of `checkpoints.py`, and the final model, card, plots and Hub push are `output.py`'s.
+The micro-batch step and the evaluation's cross-entropy are `steps.py`'s, which the demo's loop shares. The loop
+does no I/O of its own: model and tokenizer come from `build.py`, checkpoints are `checkpoints.py`'s, and the final
+model, card, plots and Hub push `output.py`'s.
 The data is an object (see `block_data.py`) that hands each data-parallel process its batch for (step, micro-step); with
 Accelerate's saved optimizer, scheduler and RNG states, `--resume` continues exactly where an uninterrupted run would
 be (what a checkpoint records and the checks that refuse a resume that would not: `checkpoints.py`).
@@ -33,23 +34,24 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import get_scheduler
+from transformers import PreTrainedTokenizerBase, get_scheduler
 
-from ..modeling import GPTMoEForCausalLM
-from ..modeling.loss import lm_loss_of
 from ..moe.balance import LoadBalancer
+from ..parallel import Pipeline
 from ..parallel.fsdp import set_gradient_sync
 from ..utils.chat_template import chat_template_text
 from .arguments import TrainArguments
-from .block_data import load_data
+from .block_data import PackedData, StreamedData, load_data
 from .build import build_model, is_seq2seq, load_tokenizer
 from .checkpoints import Checkpointer, check_resume, find_checkpoint, new_run_id, read_checkpoint, run_record
 from .consistency import check_processes_agree
-from .output import push, write_outputs
-from .pairs import load_pairs, pair_data
+from .output import final_model, push, write_outputs
+from .pairs import PairData, generate_and_score, load_pairs, pair_data
 from .parallel_setup import DataParallelGroup, accelerate_fsdp_request, clip_gradients, split_model
+from .steps import forward_backward, token_losses
 from .tracking import JSONLinesTracker, RouterMonitor
 
 
@@ -62,14 +64,14 @@ class Run:
     dp: DataParallelGroup
     model: torch.nn.Module  # what trains: the prepared model, a split model, or the pipeline stage
     optimizer: torch.optim.Optimizer
-    scheduler: object
-    data: object  # see block_data.py
-    tokenizer: object
+    scheduler: AcceleratedScheduler
+    data: PackedData | StreamedData | PairData  # block_data.py, pairs.py
+    tokenizer: PreTrainedTokenizerBase
     monitor: RouterMonitor
     jsonl: JSONLinesTracker
     record: dict  # what every checkpoint records about the run (checkpoints.py)
     checkpointer: Checkpointer
-    pipe: object = None  # hf_ppmoe.parallel.Pipeline with --pp_size
+    pipe: Pipeline | None = None  # with --pp_size
     start_step: int = 0
     changes: dict = field(default_factory=dict)
     balancer: LoadBalancer | None = None  # per-step bias balancing and global-batch balance (hf_ppmoe.moe.balance)
@@ -165,21 +167,13 @@ def setup(args: TrainArguments) -> Run:
 
 
 def forward_backward_step(run: Run, batch: dict) -> torch.Tensor:
-    """One micro-batch: forward and backward. Returns its detached (lm, aux, z) losses, on the device.
-
-    A micro-batch whose labels hold no target (all -100: a seq2seq pair with an empty target, one-token sequences)
-    has LM loss 0, router losses weighted 0 and zero gradients (the model's loss, see `model_loss`): it adds
-    nothing, and is counted in the `train/no_target_batches` metric."""
+    """One micro-batch (`steps.forward_backward`): forward and backward. Returns its detached (lm, aux, z) losses, on
+    the device; a micro-batch without a target adds nothing and is counted in `train/no_target_batches`."""
     batch = {name: tensor.to(run.device) for name, tensor in batch.items()}
-    with run.accelerator.autocast():
-        out = run.model(**batch)
-    run.accelerator.backward(out.loss)
-    lm, count = lm_loss_of(out, batch["labels"], causal=not run.config.is_encoder_decoder)
-    run.no_target += count == 0
-    aux, z = (getattr(out, name, None) for name in ("aux_loss", "z_loss"))  # absent in dense models
-    aux = aux.detach() if aux is not None else torch.zeros((), device=run.device)
-    z = z.detach() if z is not None else torch.zeros((), device=run.device)
-    return torch.stack([lm.detach(), aux, z])
+    losses = forward_backward(run.model, batch, not run.config.is_encoder_decoder, run.accelerator.backward,
+                              run.accelerator.autocast)
+    run.no_target += losses[3] == 0
+    return losses[:3]
 
 
 def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,8 +205,9 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def evaluate(run: Run) -> dict:
-    """Token-weighted LM cross-entropy (no router losses) over the validation batches, split across data-parallel
-    processes (with a pipeline, the stages run forward one after another; the last computes the loss)."""
+    """Token-weighted LM cross-entropy (`steps.token_losses`: no router losses) over the validation batches, split
+    across data-parallel processes (with a pipeline, the stages run forward one after another; the last computes the
+    loss)."""
     model, dp, pipe = run.model, run.dp, run.pipe
     model.eval()
     # forward through the model itself, not its DDP wrapper: a process may have fewer evaluation batches than another
@@ -223,25 +218,21 @@ def evaluate(run: Run) -> dict:
     if dp.sharded:  # every forward is a collective of all data-parallel processes: all run the same number of them
         total_batches = int(dp.reduce(torch.tensor([len(mine)], device=run.device)).item())
         rounds = -(-total_batches // dp.size)
-    total = torch.zeros(2, device=run.device)
+    total = torch.zeros(2, device=run.device)  # cross-entropy sum, target tokens
     causal = not run.config.is_encoder_decoder
     for r in range(rounds):
         batch = mine[r] if r < len(mine) else (mine or [spare_batch(run)])[0]  # extra forwards are not counted
         input_ids, labels = batch["input_ids"].to(run.device), batch["labels"].to(run.device)
         with run.accelerator.autocast():
-            if pipe is not None:
-                result = pipe.lm_loss(input_ids, labels)
-            elif causal:  # no routing statistics from evaluation, as without labels
-                quiet = {"compute_router_losses": False} if isinstance(forward, GPTMoEForCausalLM) else {}
-                result = lm_loss_of(forward(input_ids, labels=labels, **quiet), labels, causal)
-            else:  # the decoder reads the labels shifted right
-                out = forward(input_ids, attention_mask=batch["attention_mask"].to(run.device), labels=labels)
-                result = lm_loss_of(out, labels, causal)
-        if result is None or r >= len(mine):  # not the pipeline's last stage, or a forward that only keeps step
-            continue
-        lm_loss, count = result  # a mean over `count` tokens (NaN over none, in a dense model or a pipeline stage)
-        total[0] += torch.where(count > 0, lm_loss.float() * count, 0.0)
-        total[1] += count
+            if pipe is not None:  # (a mean over `count` tokens, count) on the last stage, None on the others
+                lm, count = pipe.lm_loss(input_ids, labels) or (None, None)
+                sums = None if lm is None else torch.stack([torch.where(count > 0, lm.float() * count, 0.0), count.float()])
+            else:
+                extra = {} if causal else {"attention_mask": batch["attention_mask"].to(run.device)}
+                losses, targets = token_losses(forward, input_ids, labels, causal, **extra)
+                sums = torch.stack([losses[targets].sum(), targets.sum().float()])
+        if sums is not None and r < len(mine):  # not a pipeline's earlier stage, nor a forward that only keeps step
+            total += sums
     if pipe is not None:
         dist.all_reduce(total, group=pipe.group)
     total = dp.reduce(total)
@@ -327,29 +318,32 @@ def train(args: TrainArguments) -> dict:
         if save_now:
             run.checkpointer.save(done)
         clock += time.perf_counter() - paused
-    finish(run, eval_metrics)
+    eval_metrics = finish(run, eval_metrics)
     if eval_metrics:
-        accelerator.print(
-            f"step {args.max_steps}: eval loss {eval_metrics['eval/loss']:.4f}, perplexity "
-            f"{eval_metrics['eval/perplexity']:.2f} (LM cross-entropy on the held-out data, router losses excluded)"
-            + (f"; chrF {eval_metrics['eval/chrf']:.2f}, BLEU {eval_metrics['eval/bleu']:.2f} (flat beam search)"
-               if "eval/chrf" in eval_metrics else "")
-        )
+        m = eval_metrics
+        generated = f"; chrF {m['eval/chrf']:.2f}, BLEU {m['eval/bleu']:.2f} (flat beam search)" if "eval/chrf" in m else ""
+        accelerator.print(f"step {args.max_steps}: eval loss {m['eval/loss']:.4f}, perplexity {m['eval/perplexity']:.2f} "
+                          f"(LM cross-entropy on the held-out data, router losses excluded){generated}")
     output_dir = Path(args.output_dir)
     accelerator.print(f"saved to {output_dir.resolve()}" + (f" (plots in {output_dir / 'plots'})" if args.plots else ""))
     return {"step": args.max_steps, **eval_metrics, "output_dir": str(output_dir)}
 
 
-def finish(run: Run, evaluation: dict) -> None:
-    """After the last step: the outputs written (output.py), the trackers closed and the process group destroyed
-    (`end_training`), then the Hub push."""
+def finish(run: Run, evaluation: dict) -> dict:
+    """After the last step: the final model's chrF / BLEU (a Seq2Seq-MoE), the outputs written (output.py), the
+    trackers closed and the process group destroyed (`end_training`), then the Hub push. Returns the evaluation."""
     accelerator = run.accelerator
     accelerator.wait_for_everyone()
     run.monitor.remove()
-    write_outputs(run, evaluation)
+    model = final_model(run)
+    if accelerator.is_main_process and model.config.is_encoder_decoder:  # flat-beam-search outputs, whole model
+        evaluation = {**evaluation, **generate_and_score(model, run)}
+        accelerator.log(evaluation, step=run.args.max_steps)
+    write_outputs(run, model, evaluation)
     accelerator.end_training()
     if run.args.push_to_hub and accelerator.is_main_process:
         push(run.args)
+    return evaluation
 
 
 main = train  # the package's entry point name

@@ -45,6 +45,7 @@ from transformers import Seq2SeqTrainer, Trainer, TrainerCallback
 
 from ..modeling import GPTMoEForCausalLM, Seq2SeqMoEForConditionalGeneration
 from ..moe.balance import LoadBalancer
+from .steps import forward_losses
 from .tracking import RouterMonitor
 
 
@@ -61,11 +62,11 @@ class LossMonitor:
 
     @torch.no_grad()
     def _hook(self, module, args, kwargs, output):
-        labels, lm = kwargs.get("labels"), getattr(output, "lm_loss", None)
-        aux, z = getattr(output, "aux_loss", None), getattr(output, "z_loss", None)
-        if labels is None or lm is None or aux is None:
+        labels = kwargs.get("labels")
+        if labels is None or getattr(output, "lm_loss", None) is None or getattr(output, "aux_loss", None) is None:
             return
-        num_items, tokens = kwargs.get("num_items_in_batch"), output.num_target_tokens
+        lm, aux, z, tokens = forward_losses(output, labels, not self.config.is_encoder_decoder)  # steps.py, as train.py
+        num_items = kwargs.get("num_items_in_batch")
         # the model's LM loss: a mean over `tokens`, or a sum divided by num_items_in_batch
         cross_entropy = lm * (num_items if num_items is not None else tokens)
         sums = torch.stack([cross_entropy, tokens, tokens * aux, tokens * z, tokens == 0]).float()

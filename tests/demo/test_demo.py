@@ -165,21 +165,22 @@ def test_upcycling_copies_the_optimizer_state(demo, one_thread):
 
 def test_the_report_states_exactly_the_verdicts_of_results_json(demo):
     _, results, report = demo
+    assert report_markdown(results) == report  # rendered from results.json alone
     assert list(results["claims"]) == ["from_scratch", "upcycling"]
     for claim in results["claims"].values():
         diffs = list(claim["per_seed"].values())
         assert claim["verdict"] == judge(diffs) and sentence(claim) in report
-        assert claim["lower"] == sum(d < 0 for d in diffs)
+        assert claim["agree"] == sum(d < 0 for d in diffs) and claim["better"] == "lower"
     # change the numbers: the report changes its verdict with them
     edited = json.loads(json.dumps(results))
-    edited["claims"]["from_scratch"].update(per_seed={"0": -0.05, "1": -0.052}, mean=-0.051, std=0.0014, lower=2,
+    edited["claims"]["from_scratch"].update(per_seed={"0": -0.05, "1": -0.052}, mean=-0.051, std=0.0014, agree=2,
                                            verdict="holds")
     assert "**Holds.** moe_scratch minus dense per seed: -0.0500, -0.0520" in report_markdown(edited)
 
 
 def test_the_report_quotes_the_budget_curve():
     points = [{"tokens": t, "per_seed": {"0": d, "1": d - 0.01, "2": d - 0.02}, "mean": d - 0.01, "std": 0.01,
-               "lower": 3 if d < 0 else 1, "verdict": v}
+               "agree": 3 if d < 0 else 1, "verdict": v}
               for t, d, v in ((1_000, 0.005, "not shown"), (2_000, -0.01, "not shown"), (4_000, -0.03, "holds"),
                               (8_000, -0.05, "holds"))]
     curve = {"setting": QUICK.compatible(), "seeds": [0, 1, 2], "claims": {"from_scratch": points}}
@@ -201,7 +202,7 @@ def test_judge_claims_only_what_every_seed_supports():
     assert judge([-0.001, -0.03, -0.002]) == "not shown"  # one sign, but the mean is within 2 std of 0
     assert judge([0.01, 0.012]) == "reversed"
     claim = {"arm": "a", "baseline": "b", "per_seed": {"0": -0.001, "1": -0.03, "2": -0.002}, "mean": -0.011,
-             "std": 0.0165, "lower": 3, "verdict": "not shown"}
+             "std": 0.0165, "better": "lower", "unit": "nats", "agree": 3, "verdict": "not shown"}
     assert "every seed agrees on the sign, but the mean is within twice the spread" in sentence(claim)
 
 

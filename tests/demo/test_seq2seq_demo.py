@@ -1,13 +1,16 @@
-"""`hf-ppmoe demo --seq2seq --quick`: every stage runs; the report's numbers are the runs' logs and models; the
-dense baseline at equal active parameters has the MoE's active parameters (router aside); the built-in task is
-split by file with no function of a held-out file in training."""
+"""`hf-ppmoe demo --seq2seq --quick`: every stage runs; the report is rendered from results.json alone and its
+numbers are the runs' logs and models; the dense baseline at equal active parameters has the MoE's active parameters
+(router aside); the built-in task is split by file with no function of a held-out file in training."""
 
+import json
 import re
 
 import pytest
 from transformers import AutoModelForSeq2SeqLM
 
 from hf_ppmoe_cli import main as cli
+from hf_ppmoe.demo.report import judge
+from hf_ppmoe.demo.seq2seq import report_markdown
 from hf_ppmoe.training.stdlib_task import EVALUATION_FILES, file_pairs, first_sentence, stdlib_pairs, stdlib_root
 from hf_ppmoe.training.tracking import read_jsonl
 
@@ -21,6 +24,11 @@ def demo(tmp_path_factory):
 
 def test_report_numbers_are_the_runs(demo):
     out, report = demo
+    results = json.loads((out / "results.json").read_text())
+    assert report_markdown(results) == report  # the report follows from results.json alone
+    for claim in results["claims"].values():
+        diffs = list(claim["per_seed"].values())
+        assert claim["verdict"] == judge(diffs if claim["better"] == "lower" else [-d for d in diffs])
     assert (out / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "](training.png)" in report
     for seed in (1, 2):
         cells = []
