@@ -1,0 +1,261 @@
+"""Quantized expert weights: bitsandbytes' 4-bit (NF4 / FP4, block-wise absmax) and 8-bit (LLM.int8() row-wise)
+storage behind the `Experts` module's stacked weights.
+
+Legend: E experts, O output rows of one expert, I input columns.
+
+A stacked weight `W [E, O, I]` (`gate_up_proj` / `up_proj`, `down_proj`; Transformers' Mixtral layout) is stored as
+the matrix `[E * O, I]` a bitsandbytes `Linear4bit(I, E * O)` or `Linear8bitLt(I, E * O)` would hold: the same
+`Params4bit` / `Int8Params`, quantized by the same functions (`quantize_4bit`, `int8_vectorwise_quant`), written to
+a checkpoint under the same names (`weight`, `weight.absmax`, `weight.quant_map`, ...; `weight`, `SCB`) and read back
+by Transformers' own bitsandbytes deserializers. Every expert's rows are its own blocks (4-bit: when O * I is a
+multiple of the block size, which `quantize_expert_weight` checks), so one expert dequantizes alone, bit for bit as
+the whole matrix would.
+
+The storage is a torch parametrization of the `Experts` module (`torch.nn.utils.parametrize`), as bitsandbytes' own
+`replace_parameter_4bit` does for a parameter outside `nn.Linear`: `experts.gate_up_proj` still reads `[E, O, I]`,
+dequantized on each read (once per forward pass in the experts' grouped kernels; `cached()` reads it once for a whole
+step), so every experts implementation runs unchanged, and PEFT's LoRA on `target_parameters` stacks its own
+parametrization on top (QLoRA on the experts). `dequantize_expert(e)` reads one expert alone (the batch-1 decoding
+path, `experts._one_expert`). The parametrized tensor's `original` is an empty placeholder kept out of the state dict:
+the quantized tensors live in the parametrization module (`experts.parametrizations.gate_up_proj.0.weight`, ...).
+
+bitsandbytes is imported on first use: `import hf_ppmoe` does not need it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+
+class QuantizedExpertsWeight(nn.Module):
+    """One stacked expert weight `[E, O, I]`, quantized; the parametrization that dequantizes it when it is read."""
+
+    bits: int = 0
+
+    def __init__(self, shape: tuple[int, int, int]):
+        super().__init__()
+        self.shape = tuple(shape)
+
+    def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
+        """[E, O, I], dequantized (bitsandbytes' dequantization of the whole `[E * O, I]` matrix, viewed)."""
+        return self.dequantize().view(self.shape)
+
+    def dequantize(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def dequantize_expert(self, e: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"shape={self.shape}, bits={self.bits}"
+
+
+class ExpertsWeight4bit(QuantizedExpertsWeight):
+    """4-bit storage: `weight`, a bitsandbytes `Params4bit` packing the `[E * O, I]` matrix (two values a byte; one
+    absmax per block of `blocksize` values, itself 8-bit quantized with `compress_statistics`)."""
+
+    bits = 4
+
+    def __init__(self, shape, quant_type: str = "nf4", compress_statistics: bool = False, quant_storage=torch.uint8,
+                 blocksize: int | None = None):
+        import bitsandbytes as bnb
+
+        super().__init__(shape)
+        E, O, I = self.shape
+        # the packed form a checkpoint holds (two values a byte, viewed as quant_storage); quantize_ replaces it
+        packed = (E * O * I + 1) // 2 // torch.empty(0, dtype=quant_storage).element_size()
+        self.weight = bnb.nn.Params4bit(
+            torch.empty(packed, 1, dtype=quant_storage, device="meta"),
+            requires_grad=False,
+            blocksize=blocksize,
+            compress_statistics=compress_statistics,
+            quant_type=quant_type,
+            quant_storage=quant_storage,
+            module=self,
+        )
+        self.quant_state = None  # where Params4bit's from_prequantized / quantization records it, as on Linear4bit
+
+    def quantize_(self, value: torch.Tensor) -> None:
+        """Quantize `value [E, O, I]` into `weight` on value's device (what Transformers does for a Linear4bit)."""
+        import bitsandbytes as bnb
+
+        settings = {k: v for k, v in self.weight.__dict__.items() if k != "quant_state"}
+        self.weight = bnb.nn.Params4bit(value.reshape(-1, self.shape[-1]), requires_grad=False, **settings).to(value.device)
+
+    def dequantize(self) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        return F.dequantize_4bit(self.weight.data, self.weight.quant_state)
+
+    def dequantize_expert(self, e: int) -> torch.Tensor:
+        """Expert e's `[O, I]`: its bytes and its blocks' absmax only (the whole matrix's absmax is dequantized first
+        when double-quantized: one value per block, 1/blocksize of the work)."""
+        import bitsandbytes.functional as F
+
+        state = self.weight.quant_state
+        E, O, I = self.shape
+        n = O * I
+        if n % state.blocksize:  # an expert's values share a block with the next one's: dequantize them all
+            return self.dequantize().view(self.shape)[e]
+        absmax = state.absmax
+        if state.nested:
+            absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
+        one = F.QuantState(absmax=absmax[e * n // state.blocksize : (e + 1) * n // state.blocksize].float(),
+                           shape=torch.Size((O, I)), code=state.code, blocksize=state.blocksize,
+                           quant_type=state.quant_type, dtype=state.dtype)
+        packed = self.weight.data.view(torch.uint8)
+        return F.dequantize_4bit(packed[e * n // 2 : (e + 1) * n // 2], one)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """`weight` and its quantization state as `weight.absmax`, `weight.quant_map`, ... (Linear4bit's names)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.quant_state is not None:
+            for k, v in self.weight.quant_state.as_dict(packed=True).items():
+                destination[prefix + "weight." + k] = v if keep_vars else v.detach()
+
+
+class ExpertsWeight8bit(QuantizedExpertsWeight):
+    """8-bit storage: `weight`, a bitsandbytes `Int8Params` `[E * O, I]` (int8), and its row scales `SCB [E * O]`
+    (`weight.SCB`, saved as `SCB`, Linear8bitLt's name)."""
+
+    bits = 8
+
+    def __init__(self, shape):
+        import bitsandbytes as bnb
+
+        super().__init__(shape)
+        E, O, I = self.shape
+        self.weight = bnb.nn.Int8Params(torch.empty(E * O, I, dtype=torch.int8, device="meta"), requires_grad=False)
+
+    def quantize_(self, value: torch.Tensor) -> None:
+        """Quantize `value [E, O, I]` into `weight` on value's device (bitsandbytes casts to float16 first)."""
+        import bitsandbytes as bnb
+
+        matrix = value.reshape(-1, self.shape[-1])
+        self.weight = bnb.nn.Int8Params(matrix.to("cpu"), requires_grad=False).to(value.device)
+
+    def dequantize(self) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        return F.int8_vectorwise_dequant(self.weight.data, self.weight.SCB)
+
+    def dequantize_expert(self, e: int) -> torch.Tensor:
+        import bitsandbytes.functional as F
+
+        O = self.shape[1]
+        return F.int8_vectorwise_dequant(self.weight.data[e * O : (e + 1) * O], self.weight.SCB[e * O : (e + 1) * O])
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.weight.SCB is not None:
+            destination[prefix + "SCB"] = self.weight.SCB if keep_vars else self.weight.SCB.detach()
+
+
+class LowRankDelta(nn.Module):
+    """A parametrization stacked on quantized storage while LoRA is active: `W + scaling * B_e @ A_e` for every expert
+    e, from the adapters' (lhs [E, O, r], rhs [E, r, I], scaling) factors, in W's dtype (one batched product each).
+    The only parametrization allowed on top of quantized storage (`check_stacked`): hf_ppmoe.peft adds and removes
+    it around each forward pass."""
+
+    def __init__(self, factors: list[tuple[torch.Tensor, torch.Tensor, float]]):
+        super().__init__()
+        self.factors = factors
+
+    def forward(self, W: torch.Tensor) -> torch.Tensor:
+        for lhs, rhs, scaling in self.factors:
+            W = torch.baddbmm(W, lhs.to(W.dtype), rhs.to(W.dtype), alpha=scaling)
+        return W
+
+
+def add_delta(experts: nn.Module, name: str, delta: LowRankDelta) -> None:
+    parametrize.register_parametrization(experts, name, delta, unsafe=True)
+
+
+def remove_delta(experts: nn.Module, name: str, delta: LowRankDelta) -> None:
+    """Remove exactly `delta` from the parametrizations of `experts.<name>` (the whole parametrization where it was
+    the only one, on full-precision weights)."""
+    chain = experts.parametrizations[name]
+    if len(chain) == 1:
+        parametrize.remove_parametrizations(experts, name, leave_parametrized=False)
+        return
+    del chain[next(i for i, module in enumerate(chain) if module is delta)]
+
+
+def check_stacked(experts: nn.Module, args) -> None:
+    """Forward pre-hook of an experts module with quantized weights: refuse a parametrization stacked on the storage
+    other than `LowRankDelta` (PEFT 0.21's own LoRA wrapper on a parametrized weight leaves its term behind after each
+    forward pass, so it would be added again and again)."""
+    for name, chain in (getattr(experts, "parametrizations", None) or {}).items():
+        foreign = [type(m).__name__ for m in list(chain)[1:] if not isinstance(m, LowRankDelta)]
+        if isinstance(chain[0], QuantizedExpertsWeight) and foreign:
+            raise ValueError(
+                f"{name} of these experts is stored quantized and carries {', '.join(foreign)}: PEFT's own wrapper does "
+                "not remove its LoRA term from a quantized weight. Build the adapter with hf_ppmoe.peft.lora_config "
+                "and load one with hf_ppmoe.peft.load_adapter (or dequantize the model first: model.dequantize())."
+            )
+
+
+def quantized_weight(experts: nn.Module, name: str) -> QuantizedExpertsWeight | None:
+    """The quantized storage of `experts.<name>`, when that is all its parametrization holds (no LoRA on top)."""
+    if not parametrize.is_parametrized(experts, name):
+        return None
+    chain = experts.parametrizations[name]
+    return chain[0] if len(chain) == 1 and isinstance(chain[0], QuantizedExpertsWeight) else None
+
+
+def is_quantized(experts: nn.Module, name: str) -> bool:
+    """Whether `experts.<name>` is stored quantized (a LoRA parametrization on top included)."""
+    return parametrize.is_parametrized(experts, name) and isinstance(experts.parametrizations[name][0],
+                                                                      QuantizedExpertsWeight)
+
+
+def store_quantized(experts: nn.Module, name: str, storage: QuantizedExpertsWeight) -> None:
+    """Make `storage` the parametrization of `experts.<name>` (the stacked parameter is dropped): reading the attribute
+    dequantizes. The parametrized tensor's `original` is an empty buffer outside the state dict."""
+    device = storage.weight.device
+    del experts._parameters[name]
+    experts.register_buffer(name, torch.empty(0, device=device), persistent=False)
+    if not parametrize.is_parametrized(experts):
+        experts.register_forward_pre_hook(check_stacked)
+    parametrize.register_parametrization(experts, name, storage, unsafe=True)
+    chain = experts.parametrizations[name]
+    chain.register_buffer("original", chain.original, persistent=False)
+
+
+def storage_for(shape, bits: int, **settings) -> QuantizedExpertsWeight:
+    """Empty (meta) storage for a stacked weight of `shape`: 4 or 8 bits, with bitsandbytes' 4-bit settings."""
+    if bits == 4:
+        return ExpertsWeight4bit(shape, **settings)
+    if bits == 8:
+        return ExpertsWeight8bit(shape)
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+
+
+def dequantize_experts(experts: nn.Module, dtype: torch.dtype | None = None) -> None:
+    """Replace every quantized stacked weight of `experts` by a plain parameter holding its dequantized values (in
+    `dtype`, else as dequantized): the model computes as before and LoRA merges into it."""
+    for name in list(getattr(experts, "parametrizations", {}) or {}):
+        if not is_quantized(experts, name):
+            continue
+        values = experts.parametrizations[name][0](None).detach()
+        parametrize.remove_parametrizations(experts, name, leave_parametrized=False)
+        delattr(experts, name)
+        experts.register_parameter(name, nn.Parameter(values.to(dtype or values.dtype), requires_grad=False))
+
+
+__all__ = [
+    "ExpertsWeight4bit",
+    "ExpertsWeight8bit",
+    "LowRankDelta",
+    "QuantizedExpertsWeight",
+    "add_delta",
+    "check_stacked",
+    "dequantize_experts",
+    "is_quantized",
+    "quantized_weight",
+    "remove_delta",
+    "storage_for",
+    "store_quantized",
+]
