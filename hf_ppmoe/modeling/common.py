@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from ..moe.experts import Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
+from ..moe.quantized import parameter_count
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import (
     WEIGHT_FILE,
@@ -74,7 +75,7 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
         for module in self.modules():
             if isinstance(module, MoELayer):
                 E, k = module.experts.num_experts, module.gate.top_k
-                inactive += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
+                inactive += parameter_count(module.experts) * (E - k) // E
         return self.num_parameters(exclude_embeddings=exclude_embeddings) - inactive
 
     def weight_loading_quantizer(self, hf_quantizer):

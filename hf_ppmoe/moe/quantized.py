@@ -24,6 +24,8 @@ bitsandbytes is imported on first use: `import hf_ppmoe` does not need it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
@@ -85,28 +87,35 @@ class ExpertsWeight4bit(QuantizedExpertsWeight):
         self.weight = bnb.nn.Params4bit(value.reshape(-1, self.shape[-1]), requires_grad=False, **settings).to(value.device)
 
     def dequantize(self) -> torch.Tensor:
-        import bitsandbytes.functional as F
-
-        return F.dequantize_4bit(self.weight.data, self.weight.quant_state)
+        return self._values(0, self.shape[0], self.shape)
 
     def dequantize_expert(self, e: int) -> torch.Tensor:
-        """Expert e's `[O, I]`: its bytes and its blocks' absmax only (the whole matrix's absmax is dequantized first
-        when double-quantized: one value per block, 1/blocksize of the work)."""
+        """Expert e's `[O, I]`: its bytes and its blocks' scales only (when its values are whole blocks)."""
+        E, O, I = self.shape
+        if O * I % self.weight.quant_state.blocksize:  # blocks straddle experts: dequantize them all
+            return self.dequantize()[e]
+        return self._values(e, e + 1, (O, I))
+
+    def _values(self, first: int, end: int, shape) -> torch.Tensor:
+        """Experts first..end-1, dequantized by bitsandbytes' `dequantize_4bit`, as `shape`. The values are handed to
+        it as rows of one block each (`quantize_4bit` cuts blocks from the flat values; bitsandbytes 0.50's CPU
+        kernel reads a matrix's blocks row by row, so a [E * O, I] matrix whose I is not a multiple of the block size
+        comes back wrong: checked in tests/moe/test_quantized.py)."""
         import bitsandbytes.functional as F
 
         state = self.weight.quant_state
-        E, O, I = self.shape
-        n = O * I
-        if n % state.blocksize:  # an expert's values share a block with the next one's: dequantize them all
-            return self.dequantize().view(self.shape)[e]
+        size, bs = math.prod(self.shape[1:]), state.blocksize
+        n = (end - first) * size
         absmax = state.absmax
-        if state.nested:
+        if state.nested:  # as dequantize_4bit does it, for the whole matrix (one value a block)
             absmax = F.dequantize_blockwise(state.absmax, state.state2) + state.offset
-        one = F.QuantState(absmax=absmax[e * n // state.blocksize : (e + 1) * n // state.blocksize].float(),
-                           shape=torch.Size((O, I)), code=state.code, blocksize=state.blocksize,
-                           quant_type=state.quant_type, dtype=state.dtype)
-        packed = self.weight.data.view(torch.uint8)
-        return F.dequantize_4bit(packed[e * n // 2 : (e + 1) * n // 2], one)
+        if (first, end) != (0, self.shape[0]):
+            absmax = absmax[first * size // bs : end * size // bs]
+        rows = (n // bs, bs) if n % bs == 0 else (1, n)
+        flat = F.QuantState(absmax=absmax.float(), shape=torch.Size(rows), code=state.code, blocksize=bs,
+                            quant_type=state.quant_type, dtype=state.dtype)
+        packed = self.weight.data.view(torch.uint8).reshape(-1)[first * size // 2 : (end * size + 1) // 2]
+        return F.dequantize_4bit(packed, flat).view(shape)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         """`weight` and its quantization state as `weight.absmax`, `weight.quant_map`, ... (Linear4bit's names)."""
@@ -233,9 +242,22 @@ def storage_for(shape, bits: int, **settings) -> QuantizedExpertsWeight:
     raise ValueError(f"bits must be 4 or 8, got {bits}")
 
 
+def parameter_count(experts: nn.Module) -> int:
+    """The number of weights of `experts`, a quantized matrix counted by its [E, O, I] shape (not its packed bytes)."""
+    plain = sum(p.numel() for n, p in experts.named_parameters() if not n.startswith("parametrizations."))
+    chains = (getattr(experts, "parametrizations", None) or {}).values()
+    return plain + sum(math.prod(chain[0].shape) for chain in chains if isinstance(chain[0], QuantizedExpertsWeight))
+
+
 def dequantize_experts(experts: nn.Module, dtype: torch.dtype | None = None) -> None:
     """Replace every quantized stacked weight of `experts` by a plain parameter holding its dequantized values (in
     `dtype`, else as dequantized): the model computes as before and LoRA merges into it."""
+    if parametrize.is_parametrized(experts):
+        # torch's deepcopy of a parametrized module shares the class torch made for it, and removing a
+        # parametrization edits that class: give this module a class of its own, so that a copy stays as it is
+        cls = type(experts)
+        own = {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")}
+        experts.__class__ = type(cls.__name__, cls.__bases__, own)
     for name in list(getattr(experts, "parametrizations", {}) or {}):
         if not is_quantized(experts, name):
             continue
@@ -254,6 +276,7 @@ __all__ = [
     "check_stacked",
     "dequantize_experts",
     "is_quantized",
+    "parameter_count",
     "quantized_weight",
     "remove_delta",
     "storage_for",
