@@ -73,7 +73,7 @@ def check_quantization(model, config) -> None:
     if skip:
         skipped = [
             path for path, module in model.named_modules() if isinstance(module, Experts)
-            and any(not should_convert_module(f"{path}.{w}", skip) for w in ("", *stacked_weights(module)))
+            and any(not should_convert_module(name, skip) for name in (path, *(f"{path}.{w}" for w in stacked_weights(module))))
         ]
         if skipped:
             raise ValueError(
