@@ -3,12 +3,14 @@ Transformers' Qwen3-MoE under the same calls, in one run. Three parts, protocol 
 
 1. Footprint and decoding, at a shape where experts are at least 97% of the weights (2 layers, hidden 1024, 32
    experts of inner size 1024, top-2, 8 heads / 2 key-value heads, vocab 256), each model saved once in float32 and
-   loaded as float32, bfloat16, 8-bit and 4-bit (NF4, double-quantized; the non-quantized tensors bfloat16).
+   loaded as float32, bfloat16, 8-bit and 4-bit (bitsandbytes: LLM.int8() rows; NF4, double-quantized) and torchao's
+   int8 weight-only (`TorchAoConfig(Int8WeightOnlyConfig())`), the non-quantized tensors in bfloat16.
    Footprint: Transformers' `get_memory_footprint()` (parameters and buffers as stored) and the bytes actually held
    (also bitsandbytes' quantization state: 4-bit block scales, which `get_memory_footprint` does not see), each over
-   the bfloat16 load's. Decoding: greedy `generate`, batch 1, a 16-token prompt, --new-tokens tokens; every variant
-   once per round in a rotating order after a warm-up round, the median of --rounds rounds reported; the tokens of
-   each variant are compared with its float32 model's.
+   the bfloat16 load's. Decoding: greedy `generate`, batch 1, a 16-token prompt: the time to the first token (the
+   prompt's forward pass) and the decoding rate after it (generate 1 + --new-tokens tokens, less the first token's
+   time, per token); every variant once per round in a rotating order after a warm-up round, the median of --rounds
+   rounds reported; the tokens of each variant are compared with its float32 model's.
 2. Logit error against the dense control: mean |quantized - float32| logit over the float32 logits' standard
    deviation, for a GPT-MoE (Llama layout, 8 experts, top-2) and the same-shape dense Llama (hidden 256, inner 512, 2
    layers, vocab 512), seeds 0, 1, 2 (the same seed builds both); NF4, FP4, int8; the ratio MoE / dense.
@@ -19,6 +21,7 @@ Transformers' Qwen3-MoE under the same calls, in one run. Three parts, protocol 
 
     python benchmarks/quantization.py --json benchmarks/results/quantization_cpu.json
     python benchmarks/quantization.py --smoke        # seconds: tiny shapes (the test runs it)
+    python benchmarks/quantization.py --device cuda --parts footprint --markdown quant.md   # scripts/gpu_check.sh's row
 """
 
 from __future__ import annotations
@@ -34,10 +37,8 @@ import time
 from pathlib import Path
 
 import bitsandbytes
-import peft
 import torch
 import transformers
-import trl
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -56,6 +57,7 @@ LOADS = {
     "8-bit": dict(dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(load_in_8bit=True)),
     "4-bit": dict(dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(
         load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)),
+    "int8 torchao": dict(dtype=torch.bfloat16, quantization_config="torchao"),  # TorchAoConfig(Int8WeightOnlyConfig())
 }
 ERROR_CONFIGS = {
     "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
@@ -81,10 +83,28 @@ def expert_share(model) -> float:
     return experts / total
 
 
+def load_kwargs(load: str) -> dict:
+    kwargs = dict(LOADS[load])
+    if kwargs.get("quantization_config") == "torchao":
+        from torchao.quantization import Int8WeightOnlyConfig
+        from transformers import TorchAoConfig
+
+        kwargs["quantization_config"] = TorchAoConfig(Int8WeightOnlyConfig())
+    return kwargs
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: a torchao tensor subclass its inner tensors (values, scales), which its logical shape and
+    dtype (what `get_memory_footprint` multiplies) do not tell."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
 def held_bytes(model) -> int:
-    """Bytes of every parameter and buffer as stored, plus bitsandbytes' 4-bit quantization state (block scales and
-    their own scales), which lives outside parameters and buffers."""
-    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    """Bytes of every parameter and buffer as stored (a torchao tensor's inner tensors), plus bitsandbytes' 4-bit
+    quantization state (block scales and their own scales), which lives outside parameters and buffers."""
+    total = sum(tensor_bytes(t) for t in (*model.parameters(), *model.buffers()))
     for p in model.parameters():
         state = getattr(p, "quant_state", None)
         if state is not None:
@@ -93,17 +113,28 @@ def held_bytes(model) -> int:
 
 
 def experts_quantized(model) -> bool:
-    """Whether the model's expert weights are stored quantized (no floating-point expert tensor of 3 dimensions)."""
-    floats = [p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3 and p.is_floating_point()]
+    """Whether the model's expert weights are stored quantized (no plain floating-point expert tensor of 3 dims)."""
+    floats = [p for n, p in model.named_parameters()
+              if ".experts." in n and p.dim() == 3 and p.is_floating_point() and type(p) is torch.nn.Parameter]
     storages = [m for m in model.modules() if isinstance(m, QuantizedExpertsWeight)]
     return not floats and bool(storages)
 
 
+def decode_rate(model, new_tokens: int) -> tuple[list[int], float, float]:
+    """(tokens, seconds to the first token, decoding tokens/s after it): `generate` of one token (the prompt's forward
+    pass, where quantized experts are dequantized whole) and of 1 + new_tokens, the difference per token."""
+    _, first = decode(model, 1)
+    tokens, wall = decode(model, 1 + new_tokens)
+    return tokens, first, new_tokens / max(wall - first, 1e-9)
+
+
 def decode(model, new_tokens: int) -> tuple[list[int], float]:
-    ids = torch.arange(16).add(1).remainder(SHAPE["vocab_size"]).unsqueeze(0)
+    ids = torch.arange(16, device=model.device).add(1).remainder(SHAPE["vocab_size"]).unsqueeze(0)
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                          do_sample=False, pad_token_id=0, eos_token_id=None)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     return out[0, 16:].tolist(), time.perf_counter() - start
 
 
@@ -115,8 +146,8 @@ def footprint_and_decoding(args, work: Path) -> list[dict]:
         share = expert_share(model)
         model.save_pretrained(work / name)
         del model
-        for load, kwargs in LOADS.items():
-            models[(name, load)] = AutoModelForCausalLM.from_pretrained(work / name, **kwargs).eval()
+        for load in LOADS:
+            models[(name, load)] = AutoModelForCausalLM.from_pretrained(work / name, device_map=args.device, **load_kwargs(load)).eval()
         models[(name, "share")] = share
     variants = [(name, load) for name in ("gpt_moe", "qwen3_moe") for load in LOADS]
     runs = {v: [] for v in variants}
@@ -124,9 +155,10 @@ def footprint_and_decoding(args, work: Path) -> list[dict]:
         for round_ in range(args.rounds + 1):
             shift = round_ % len(variants)
             for v in variants[shift:] + variants[:shift]:
-                tokens, wall = decode(models[v], args.new_tokens)
                 if round_:
-                    runs[v].append((tokens, wall))
+                    runs[v].append(decode_rate(models[v], args.new_tokens))
+                else:
+                    decode(models[v], 2)  # warm-up
     rows = []
     for name, load in variants:
         model, reference = models[(name, load)], models[(name, "bfloat16")]
@@ -135,7 +167,8 @@ def footprint_and_decoding(args, work: Path) -> list[dict]:
             experts_quantized=experts_quantized(model),
             footprint_bytes=model.get_memory_footprint(), footprint_vs_bf16=model.get_memory_footprint() / reference.get_memory_footprint(),
             held_bytes=held_bytes(model), held_vs_bf16=held_bytes(model) / held_bytes(reference),
-            decode_tokens_per_s=args.new_tokens / statistics.median(w for _, w in runs[(name, load)]),
+            first_token_ms=1000 * statistics.median(r[1] for r in runs[(name, load)]),
+            decode_tokens_per_s=statistics.median(r[2] for r in runs[(name, load)]),
             same_tokens_as_float32=runs[(name, load)][0][0] == runs[(name, "float32")][0][0],
         ))
     return rows
@@ -202,23 +235,39 @@ def machine() -> dict:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     return dict(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), uptime=load, python=platform.python_version(),
                 torch=torch.__version__, transformers=transformers.__version__, bitsandbytes=bitsandbytes.__version__,
-                peft=peft.__version__, trl=trl.__version__, cpu_count=os.cpu_count(), threads=torch.get_num_threads())
+                peft=version("peft"), trl=version("trl"), cpu_count=os.cpu_count(), threads=torch.get_num_threads())
+
+
+def version(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed(package)
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def report(result: dict) -> str:
-    lines = ["| model | load | footprint | vs bf16 | bytes held | vs bf16 | experts quantized | decode tokens/s | tokens = float32's |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in result["footprint"]:
-        lines.append(f"| {r['model']} | {r['load']} | {r['footprint_bytes'] / 2**20:.1f} MiB | {r['footprint_vs_bf16']:.3f}x | "
-                     f"{r['held_bytes'] / 2**20:.1f} MiB | {r['held_vs_bf16']:.3f}x | {r['experts_quantized']} | "
-                     f"{r['decode_tokens_per_s']:.1f} | {r['same_tokens_as_float32']} |")
-    lines += ["", "| seed | config | dense Llama error | GPT-MoE error | ratio |", "|---|---|---|---|---|"]
-    for r in result["logit_error"]:
-        lines.append(f"| {r['seed']} | {r['config']} | {r['dense_error']:.4f} | {r['moe_error']:.4f} | {r['ratio']:.2f}x |")
-    lines += ["", "| arm | steps | float32 | nf4 | fp4 | int8 |", "|---|---|---|---|---|---|"]
-    for r in result["held_out"]:
-        lines.append(f"| {r['arm']} | {r['steps']} | {r['float32']:.4f} | {r['nf4']:.4f} | {r['fp4']:.4f} | {r['int8']:.4f} |")
+    lines = []
+    if result.get("footprint"):
+        lines += ["| model | load | footprint | vs bf16 | bytes held | vs bf16 | experts quantized | first token (ms) | "
+                  "decode tokens/s | tokens = float32's |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in result["footprint"]:
+            lines.append(f"| {r['model']} | {r['load']} | {r['footprint_bytes'] / 2**20:.1f} MiB | {r['footprint_vs_bf16']:.3f}x | "
+                         f"{r['held_bytes'] / 2**20:.1f} MiB | {r['held_vs_bf16']:.3f}x | {r['experts_quantized']} | "
+                         f"{r['first_token_ms']:.0f} | {r['decode_tokens_per_s']:.1f} | {r['same_tokens_as_float32']} |")
+    if result.get("logit_error"):
+        lines += ["", "| seed | config | dense Llama error | GPT-MoE error | ratio |", "|---|---|---|---|---|"]
+        for r in result["logit_error"]:
+            lines.append(f"| {r['seed']} | {r['config']} | {r['dense_error']:.4f} | {r['moe_error']:.4f} | {r['ratio']:.2f}x |")
+    if result.get("held_out"):
+        lines += ["", "| arm | steps | float32 | nf4 | fp4 | int8 |", "|---|---|---|---|---|---|"]
+        for r in result["held_out"]:
+            lines.append(f"| {r['arm']} | {r['steps']} | {r['float32']:.4f} | {r['nf4']:.4f} | {r['fp4']:.4f} | {r['int8']:.4f} |")
     return "\n".join(lines)
+
+
+PARTS = {"footprint": footprint_and_decoding, "logit_error": logit_errors, "held_out": held_out_losses}
 
 
 def main(argv=None):
@@ -228,21 +277,31 @@ def main(argv=None):
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--train-steps", type=int, default=300)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda for part 1 (footprint and decoding)")
+    parser.add_argument("--parts", nargs="+", choices=list(PARTS), default=list(PARTS))
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path, help="also write the tables there, under a heading")
     args = parser.parse_args(argv)
     if args.smoke:
         args.rounds, args.new_tokens, args.seeds = 1, 2, [0]
+    if args.device != "cpu" and args.parts != ["footprint"]:
+        parser.error("--device cuda runs --parts footprint only (the other parts are CPU measurements)")
     torch.set_num_threads(args.threads)
+    result = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()}}
     with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        result = {"machine": machine(), "args": {k: str(v) for k, v in vars(args).items()},
-                  "footprint": footprint_and_decoding(args, work), "logit_error": logit_errors(args, work),
-                  "held_out": held_out_losses(args, work)}
+        for part in args.parts:
+            result[part] = PARTS[part](args, Path(tmp))
     result["machine"]["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     print(report(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.markdown:
+        m = result["machine"]
+        where = torch.cuda.get_device_name() if args.device == "cuda" else f"{args.device}, {args.threads} thread(s)"
+        head = (f"### Quantized experts (benchmarks/quantization.py, {where}; torch {m['torch']}, transformers "
+                f"{m['transformers']}, bitsandbytes {m['bitsandbytes']})")
+        args.markdown.write_text(f"{head}\n\n{report(result)}\n")
     return result
 
 

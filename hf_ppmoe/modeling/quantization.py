@@ -26,6 +26,7 @@ import torch
 from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizer_bnb_8bit import Bnb8BitHfQuantizer
+from transformers.quantizers.quantizer_torchao import TorchAoHfQuantizer
 from transformers.quantizers.quantizers_utils import get_module_from_name, should_convert_module
 
 from ..moe.experts import Experts
@@ -43,7 +44,10 @@ def stacked_weights(experts: Experts) -> dict[str, tuple[int, int, int]]:
 
 
 def quantization_settings(config) -> dict:
-    """bits and bitsandbytes' 4-bit settings of a `BitsAndBytesConfig`."""
+    """What `storage_for` needs: bits and bitsandbytes' 4-bit settings of a `BitsAndBytesConfig`, or the torchao config
+    of a `TorchAoConfig`."""
+    if config.quant_method == "torchao":
+        return {"torchao": config.get_apply_tensor_subclass()}
     if config.load_in_8bit:
         return {"bits": 8}
     return {
@@ -58,6 +62,8 @@ def check_quantization(model, config) -> None:
     """Refuse, by name, a quantization config under which the experts would not be stored quantized."""
     name = type(model).__name__
     method = getattr(config.quant_method, "value", config.quant_method)
+    if method == "torchao":
+        return check_torchao(model, config)
     if method != "bitsandbytes":
         raise ValueError(
             f"{name} cannot honour quantization_config with quant_method={method!r}: Transformers' {method} path "
@@ -69,7 +75,22 @@ def check_quantization(model, config) -> None:
             f"{name}: BitsAndBytesConfig(llm_int8_has_fp16_weight=True) keeps float16 weights beside the int8 ones; the "
             "experts are stored int8 only. Drop llm_int8_has_fp16_weight (or load without quantization_config)."
         )
-    skip = config.llm_int8_skip_modules
+    check_skipped(model, config.llm_int8_skip_modules, "llm_int8_skip_modules")
+
+
+def check_torchao(model, config) -> None:
+    from torchao.quantization import FqnToConfig
+
+    if isinstance(config.quant_type, FqnToConfig):
+        raise ValueError(
+            f"{type(model).__name__}: TorchAoConfig with an FqnToConfig names layers one by one; the experts are "
+            "quantized with the model's one config. Give TorchAoConfig a single config (e.g. Int8WeightOnlyConfig())."
+        )
+    check_skipped(model, config.modules_to_not_convert, "modules_to_not_convert")
+
+
+def check_skipped(model, skip, option: str) -> None:
+    """Refuse a list of modules to leave in full precision that names the experts or a module holding them."""
     if skip:
         skipped = [
             path for path, module in model.named_modules() if isinstance(module, Experts)
@@ -77,7 +98,7 @@ def check_quantization(model, config) -> None:
         ]
         if skipped:
             raise ValueError(
-                f"{name}: llm_int8_skip_modules={list(skip)} names the experts ({', '.join(skipped[:3])}"
+                f"{type(model).__name__}: {option}={list(skip)} names the experts ({', '.join(skipped[:3])}"
                 f"{', ...' if len(skipped) > 3 else ''}), which would leave them in full precision; the experts are "
                 "always quantized with the model. Remove those entries (routers are never quantized), or load without "
                 "quantization_config."
@@ -106,6 +127,10 @@ class ExpertsBnb4BitHfQuantizer(_QuantizesExperts, Bnb4BitHfQuantizer):
 
 class ExpertsBnb8BitHfQuantizer(_QuantizesExperts, Bnb8BitHfQuantizer):
     """Transformers' 8-bit bitsandbytes quantizer, experts included."""
+
+
+class ExpertsTorchAoHfQuantizer(_QuantizesExperts, TorchAoHfQuantizer):
+    """Transformers' torchao quantizer, experts included."""
 
 
 class QuantizeExperts(ConversionOps):
@@ -137,9 +162,12 @@ def weight_loading_quantizer(model, hf_quantizer):
     fill it by name."""
     config = hf_quantizer.quantization_config
     check_quantization(model, config)
-    cls = ExpertsBnb8BitHfQuantizer if config.load_in_8bit else ExpertsBnb4BitHfQuantizer
-    quantizer = cls(config, pre_quantized=hf_quantizer.pre_quantized)
-    quantizer.modules_to_not_convert = hf_quantizer.modules_to_not_convert
+    if config.quant_method == "torchao":
+        cls = ExpertsTorchAoHfQuantizer
+    else:
+        cls = ExpertsBnb8BitHfQuantizer if config.load_in_8bit else ExpertsBnb4BitHfQuantizer
+    quantizer = cls.__new__(cls)  # the same quantizer's state (its config, modules_to_not_convert, ...) in our class
+    quantizer.__dict__.update(vars(hf_quantizer))
     if hf_quantizer.pre_quantized:
         settings = quantization_settings(config)
         for experts in model.modules():

@@ -206,6 +206,30 @@ def check_stacked(experts: nn.Module, args) -> None:
             )
 
 
+class ExpertsWeightTorchAo(QuantizedExpertsWeight):
+    """torchao storage: `weight`, a torchao tensor subclass of shape [E, O, I] made by torchao's `quantize_` with the
+    config given (e.g. `Int8WeightOnlyConfig()`: int8 values, one scale a row of each expert), read back with its own
+    `dequantize()`; Transformers' torchao serialization saves and loads it."""
+
+    def __init__(self, shape, config):
+        super().__init__(shape)
+        self.config = config
+        self.bits = type(config).__name__
+        self.weight = nn.Parameter(torch.empty(self.shape, device="meta"), requires_grad=False)
+
+    def quantize_(self, value: torch.Tensor) -> None:
+        from torchao.quantization import FqnToConfig, quantize_
+
+        self.weight = nn.Parameter(value, requires_grad=False)
+        quantize_(self, FqnToConfig({"weight": self.config}), filter_fn=None)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.dequantize()
+
+    def dequantize_expert(self, e: int) -> torch.Tensor:
+        return self.weight[e].dequantize()
+
+
 def quantized_weight(experts: nn.Module, name: str) -> QuantizedExpertsWeight | None:
     """The quantized storage of `experts.<name>`, when that is all its parametrization holds (no LoRA on top)."""
     if not parametrize.is_parametrized(experts, name):
@@ -233,8 +257,11 @@ def store_quantized(experts: nn.Module, name: str, storage: QuantizedExpertsWeig
     chain.register_buffer("original", chain.original, persistent=False)
 
 
-def storage_for(shape, bits: int, **settings) -> QuantizedExpertsWeight:
-    """Empty (meta) storage for a stacked weight of `shape`: 4 or 8 bits, with bitsandbytes' 4-bit settings."""
+def storage_for(shape, bits: int | None = None, torchao=None, **settings) -> QuantizedExpertsWeight:
+    """Empty (meta) storage for a stacked weight of `shape`: bitsandbytes' 4 or 8 bits (with its 4-bit settings), or
+    a torchao config."""
+    if torchao is not None:
+        return ExpertsWeightTorchAo(shape, torchao)
     if bits == 4:
         return ExpertsWeight4bit(shape, **settings)
     if bits == 8:
@@ -270,6 +297,7 @@ def dequantize_experts(experts: nn.Module, dtype: torch.dtype | None = None) -> 
 __all__ = [
     "ExpertsWeight4bit",
     "ExpertsWeight8bit",
+    "ExpertsWeightTorchAo",
     "LowRankDelta",
     "QuantizedExpertsWeight",
     "add_delta",
