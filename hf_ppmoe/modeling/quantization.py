@@ -1,8 +1,9 @@
 """Quantized experts through Transformers' own call: `from_pretrained(path, quantization_config=BitsAndBytesConfig(
-load_in_4bit=True | load_in_8bit=True, ...))`.
+load_in_4bit=True | load_in_8bit=True, ...))`, or `TorchAoConfig(...)` with one torchao config (e.g.
+`Int8WeightOnlyConfig()`).
 
 Transformers' bitsandbytes path replaces `nn.Linear` layers by `Linear4bit` / `Linear8bitLt` before the weights load
-and quantizes each weight as it arrives (`param_needs_quantization`, `get_quantize_ops`); it does not know stacked
+(its torchao path quantizes their weights into torchao tensors) and quantizes each weight as it arrives (`param_needs_quantization`, `get_quantize_ops`); it does not know stacked
 expert weights, which would stay in full precision without a word (as Transformers' own Qwen3-MoE's do). Our models
 load their weights with a subclass of Transformers' quantizer (`weight_loading_quantizer`, called by the model's
 `_load_pretrained_model` hook) whose `param_needs_quantization` also answers for every stacked expert weight and whose
@@ -17,7 +18,9 @@ tokens between experts (a top-k choice is discontinuous in the logits), a larger
 weights; the router is a tiny share of the weights anyway.
 
 A quantization config that would leave the experts in full precision is refused by name (`check_quantization`):
-another method than bitsandbytes, `llm_int8_skip_modules` naming the experts, `llm_int8_has_fp16_weight=True`.
+another method than bitsandbytes or torchao, `llm_int8_skip_modules` (torchao: `modules_to_not_convert`) naming the
+experts, `llm_int8_has_fp16_weight=True`, a torchao `FqnToConfig` (layer by layer: the experts' entry is ours to
+pick, so one config is asked for).
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ from ..moe.experts import Experts
 from ..moe.quantized import QuantizedExpertsWeight, dequantize_experts, storage_for, store_quantized
 from ..utils.integrity import check_finite
 
-SUPPORTED = "BitsAndBytesConfig(load_in_4bit=True) (NF4 or FP4) or BitsAndBytesConfig(load_in_8bit=True)"
+SUPPORTED = ("BitsAndBytesConfig(load_in_4bit=True) (NF4 or FP4), BitsAndBytesConfig(load_in_8bit=True), or "
+             "TorchAoConfig(Int8WeightOnlyConfig())")
 
 
 def stacked_weights(experts: Experts) -> dict[str, tuple[int, int, int]]:

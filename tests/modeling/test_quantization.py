@@ -3,7 +3,8 @@
 the checkpoint's tensor (NF4 with double quantization, FP4, int8), routers untouched in full precision, the logit
 error within 1.5x that of the same-shape dense Llama quantized by Transformers, save/load round trips (GPT-MoE and
 Seq2Seq-MoE), an upcycled dense checkpoint loaded straight into 4-bit with the dense layers' own 4-bit values, and
-the configs that would leave experts in full precision refused by name."""
+torchao's int8 weight-only config on the experts too, and the configs that would leave experts in full precision
+refused by name."""
 
 import pytest
 import torch
@@ -160,6 +161,34 @@ def test_configs_that_would_skip_the_experts_are_refused(folders, config, match)
         AutoModelForCausalLM.from_pretrained(folders / "moe", quantization_config=BitsAndBytesConfig(**config))
 
 
+def test_torchao_int8_weight_only_experts(folders, tmp_path):
+    """`TorchAoConfig(Int8WeightOnlyConfig())`: every expert weight is torchao's own int8 quantization of the
+    checkpoint's tensor (values and row scales), computed from its dequantization; Transformers' torchao serialization
+    round-trips it."""
+    pytest.importorskip("torchao", reason="the torchao path needs torchao (the test extra)")
+    from torch import nn
+    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig, quantize_
+    from transformers import TorchAoConfig
+
+    full = GPTMoEForCausalLM.from_pretrained(folders / "moe")
+    model = AutoModelForCausalLM.from_pretrained(folders / "moe", quantization_config=TorchAoConfig(Int8WeightOnlyConfig()))
+    pairs = list(zip([m for m in full.modules() if isinstance(m, Experts)], [m for m in model.modules() if isinstance(m, Experts)]))
+    assert len(pairs) == 2
+    for reference, module in pairs:
+        for weight in ("gate_up_proj", "down_proj"):
+            storage, own = quantized_weight(module, weight), nn.Module()
+            own.weight = nn.Parameter(getattr(reference, weight).detach().clone(), requires_grad=False)
+            quantize_(own, FqnToConfig({"weight": Int8WeightOnlyConfig()}), filter_fn=None)
+            assert storage.weight.qdata.dtype == torch.int8
+            assert torch.equal(storage.weight.qdata, own.weight.qdata) and torch.equal(storage.weight.scale, own.weight.scale)
+            assert torch.equal(getattr(module, weight), own.weight.dequantize())
+    model.save_pretrained(tmp_path / "torchao")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "torchao")
+    out = logits(model, ids())
+    assert torch.equal(logits(again, ids()), out)
+    assert ((out - logits(full, ids())).abs().mean() / out.std()) < 0.05
+
+
 def test_another_quantization_method_is_refused_by_name(folders):
     from transformers import QuantoConfig
 
@@ -170,3 +199,11 @@ def test_another_quantization_method_is_refused_by_name(folders):
         check_quantization(model, QuantoConfig())
     # a router named in llm_int8_skip_modules is fine: routers are never quantized
     check_quantization(model, BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["gate"]))
+    pytest.importorskip("torchao", reason="the torchao path needs torchao (the test extra)")
+    from torchao.quantization import FqnToConfig, Int8WeightOnlyConfig
+    from transformers import TorchAoConfig
+
+    with pytest.raises(ValueError, match="FqnToConfig names layers one by one"):
+        check_quantization(model, TorchAoConfig(FqnToConfig({"_default": Int8WeightOnlyConfig()})))
+    with pytest.raises(ValueError, match="modules_to_not_convert=.*names the experts"):
+        check_quantization(model, TorchAoConfig(Int8WeightOnlyConfig(), modules_to_not_convert=["experts"]))
