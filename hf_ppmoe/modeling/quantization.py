@@ -3,14 +3,16 @@ load_in_4bit=True | load_in_8bit=True, ...))`, or `TorchAoConfig(...)` with one 
 `Int8WeightOnlyConfig()`).
 
 Transformers' bitsandbytes path replaces `nn.Linear` layers by `Linear4bit` / `Linear8bitLt` before the weights load
-(its torchao path quantizes their weights into torchao tensors) and quantizes each weight as it arrives (`param_needs_quantization`, `get_quantize_ops`); it does not know stacked
-expert weights, which would stay in full precision without a word (as Transformers' own Qwen3-MoE's do). Our models
+(its torchao path quantizes their weights into torchao tensors) and quantizes each weight as it arrives
+(`param_needs_quantization`, `get_quantize_ops`); it does not know stacked expert weights, which would stay in full
+precision without a word (as Transformers' own Qwen3-MoE's do). Our models
 load their weights with a subclass of Transformers' quantizer (`weight_loading_quantizer`, called by the model's
 `_load_pretrained_model` hook) whose `param_needs_quantization` also answers for every stacked expert weight and whose
 quantize operation stores it quantized (`hf_ppmoe.moe.quantized`) the moment it is read from the checkpoint, so no
 full-precision copy of the experts is held: Transformers' own mxfp4 path does the same for GPT-OSS's experts.
 Everything else is Transformers': the attention and dense layers, the deserializers of a pre-quantized folder
-(`weight`, `weight.absmax`, ... and `SCB`), `save_pretrained`, `get_memory_footprint`, `is_loaded_in_4bit`.
+(`weight`, `weight.absmax`, ... and `SCB`; torchao's), `save_pretrained`, `get_memory_footprint`,
+`is_loaded_in_4bit`.
 
 Routers stay in full precision: a gate's weight is a parameter of the `Gate` module, not an `nn.Linear`, so
 Transformers' bitsandbytes path leaves it alone, and this module quantizes experts only. Rounding a router would move

@@ -1,5 +1,5 @@
 """Quantized expert weights: bitsandbytes' 4-bit (NF4 / FP4, block-wise absmax) and 8-bit (LLM.int8() row-wise)
-storage behind the `Experts` module's stacked weights.
+storage, or a torchao tensor, behind the `Experts` module's stacked weights.
 
 Legend: E experts, O output rows of one expert, I input columns.
 
@@ -7,19 +7,19 @@ A stacked weight `W [E, O, I]` (`gate_up_proj` / `up_proj`, `down_proj`; Transfo
 the matrix `[E * O, I]` a bitsandbytes `Linear4bit(I, E * O)` or `Linear8bitLt(I, E * O)` would hold: the same
 `Params4bit` / `Int8Params`, quantized by the same functions (`quantize_4bit`, `int8_vectorwise_quant`), written to
 a checkpoint under the same names (`weight`, `weight.absmax`, `weight.quant_map`, ...; `weight`, `SCB`) and read back
-by Transformers' own bitsandbytes deserializers. Every expert's rows are its own blocks (4-bit: when O * I is a
-multiple of the block size, which `quantize_expert_weight` checks), so one expert dequantizes alone, bit for bit as
-the whole matrix would.
+by Transformers' own bitsandbytes deserializers. Where O * I is a multiple of the block size (64), an expert's values
+are whole blocks, so one expert dequantizes alone, bit for bit as the whole matrix does. torchao's storage is its own
+tensor subclass of shape [E, O, I] (`ExpertsWeightTorchAo`).
 
 The storage is a torch parametrization of the `Experts` module (`torch.nn.utils.parametrize`), as bitsandbytes' own
 `replace_parameter_4bit` does for a parameter outside `nn.Linear`: `experts.gate_up_proj` still reads `[E, O, I]`,
-dequantized on each read (once per forward pass in the experts' grouped kernels; `cached()` reads it once for a whole
-step), so every experts implementation runs unchanged, and PEFT's LoRA on `target_parameters` stacks its own
-parametrization on top (QLoRA on the experts). `dequantize_expert(e)` reads one expert alone (the batch-1 decoding
-path, `experts._one_expert`). The parametrized tensor's `original` is an empty placeholder kept out of the state dict:
-the quantized tensors live in the parametrization module (`experts.parametrizations.gate_up_proj.0.weight`, ...).
+dequantized on each read (once per forward pass in the experts' grouped kernels), so every experts implementation
+runs unchanged. QLoRA stacks a `LowRankDelta` on top for each forward pass (hf_ppmoe.peft). `dequantize_expert(e)`
+reads one expert alone (the batch-1 decoding path, `experts._one_expert`). The parametrized tensor's `original` is an
+empty placeholder kept out of the state dict: the quantized tensors live in the parametrization module
+(`experts.parametrizations.gate_up_proj.0.weight`, ...).
 
-bitsandbytes is imported on first use: `import hf_ppmoe` does not need it.
+bitsandbytes and torchao are imported on first use: `import hf_ppmoe` needs neither.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class QuantizedExpertsWeight(nn.Module):
         self.shape = tuple(shape)
 
     def forward(self, placeholder: torch.Tensor) -> torch.Tensor:
-        """[E, O, I], dequantized (bitsandbytes' dequantization of the whole `[E * O, I]` matrix, viewed)."""
+        """[E, O, I], dequantized (the parametrized tensor's empty `original` is not read)."""
         return self.dequantize().view(self.shape)
 
     def dequantize(self) -> torch.Tensor:

@@ -13,9 +13,11 @@ changes. Checked against transformers 5.24 (`TRANSFORMERS_CHECKED`).
   output-recorder registry `_CAN_RECORD_REGISTRY` (`register_output_recorders`), `config._attn_implementation`
   (`attention_implementation`), and the expert-parallel marker `_is_expert_parallel` (`mark_expert_parallel`).
 
-Not routed through here: the class attribute `_tp_plan` of a task head (the documented way a Transformers model file
-declares its head's rule), and `generation/flat_beam_search.py`, which is written into checkpoints as a
-self-contained `custom_generate` file and so reads `config._attn_implementation` itself.
+Not routed through here: the quantizer classes and `ConversionOps` that hf_ppmoe.modeling.quantization subclasses
+(Transformers' quantizer API, the way a quantization method plugs into its loading), the class attribute `_tp_plan`
+of a task head (the documented way a Transformers model file declares its head's rule), and
+`generation/flat_beam_search.py`, which is written into checkpoints as a self-contained `custom_generate` file and so
+reads `config._attn_implementation` itself.
 """
 
 from __future__ import annotations
