@@ -43,7 +43,6 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, 
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
-from hf_ppmoe.moe import Experts
 from hf_ppmoe.moe.quantized import QuantizedExpertsWeight
 
 SHAPE = dict(vocab_size=256, hidden_size=1024, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
