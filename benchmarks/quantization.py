@@ -7,10 +7,10 @@ Transformers' Qwen3-MoE under the same calls, in one run. Three parts, protocol 
    int8 weight-only (`TorchAoConfig(Int8WeightOnlyConfig())`), the non-quantized tensors in bfloat16.
    Footprint: Transformers' `get_memory_footprint()` (parameters and buffers as stored) and the bytes actually held
    (also bitsandbytes' quantization state: 4-bit block scales, which `get_memory_footprint` does not see), each over
-   the bfloat16 load's. Decoding: greedy `generate`, batch 1, a 16-token prompt: the time to the first token (the
-   prompt's forward pass) and the decoding rate after it (generate 1 + --new-tokens tokens, less the first token's
-   time, per token); every variant once per round in a rotating order after a warm-up round, the median of --rounds
-   rounds reported; the tokens of each variant are compared with its float32 model's.
+   the bfloat16 load's. Decoding: greedy `generate`, batch 1, a 16-token prompt, --new-tokens tokens: the time to the
+   first token (the prompt's forward pass) and the decoding rate after it (step times recorded in `generate`); every
+   variant once per round in a rotating order after a warm-up round, the median of --rounds rounds reported; the
+   tokens of each variant are compared with its float32 model's.
 2. Logit error against the dense control: mean |quantized - float32| logit over the float32 logits' standard
    deviation, for a GPT-MoE (Llama layout, 8 experts, top-2) and the same-shape dense Llama (hidden 256, inner 512, 2
    layers, vocab 512), seeds 0, 1, 2 (the same seed builds both); NF4, FP4, int8; the ratio MoE / dense.
@@ -39,7 +39,8 @@ from pathlib import Path
 import bitsandbytes
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, LogitsProcessor
+from transformers import LogitsProcessorList
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
@@ -119,22 +120,30 @@ def experts_quantized(model) -> bool:
     return not floats and bool(storages)
 
 
-def decode_rate(model, new_tokens: int) -> tuple[list[int], float, float]:
-    """(tokens, seconds to the first token, decoding tokens/s after it): `generate` of one token (the prompt's forward
-    pass, where quantized experts are dequantized whole) and of 1 + new_tokens, the difference per token."""
-    _, first = decode(model, 1)
-    tokens, wall = decode(model, 1 + new_tokens)
-    return tokens, first, new_tokens / max(wall - first, 1e-9)
+class StepTimes(LogitsProcessor):
+    """When `generate` has each step's scores: the first after the prompt's forward pass, then one a new token."""
+
+    def __init__(self):
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
 
 
-def decode(model, new_tokens: int) -> tuple[list[int], float]:
+def decode(model, new_tokens: int) -> tuple[list[int], float, float]:
+    """(tokens, seconds to the first token, decoding tokens/s after it) of one greedy `generate` of `new_tokens`
+    tokens from a 16-token prompt: the first step's time is the prompt's forward pass (where quantized experts are
+    dequantized whole), the rate is over the steps after it (one token each: the routed experts dequantized)."""
     ids = torch.arange(16, device=model.device).add(1).remainder(SHAPE["vocab_size"]).unsqueeze(0)
+    steps = StepTimes()
     start = time.perf_counter()
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                         do_sample=False, pad_token_id=0, eos_token_id=None)
+                         do_sample=False, pad_token_id=0, eos_token_id=None, logits_processor=LogitsProcessorList([steps]))
     if model.device.type == "cuda":
         torch.cuda.synchronize()
-    return out[0, 16:].tolist(), time.perf_counter() - start
+    times = steps.times
+    return out[0, 16:].tolist(), times[0] - start, (len(times) - 1) / (times[-1] - times[0])
 
 
 def footprint_and_decoding(args, work: Path) -> list[dict]:
@@ -154,10 +163,9 @@ def footprint_and_decoding(args, work: Path) -> list[dict]:
         for round_ in range(args.rounds + 1):
             shift = round_ % len(variants)
             for v in variants[shift:] + variants[:shift]:
-                if round_:
-                    runs[v].append(decode_rate(models[v], args.new_tokens))
-                else:
-                    decode(models[v], 2)  # warm-up
+                result = decode(models[v], args.new_tokens)
+                if round_:  # round 0: warm-up
+                    runs[v].append(result)
     rows = []
     for name, load in variants:
         model, reference = models[(name, load)], models[(name, "bfloat16")]
