@@ -95,6 +95,22 @@ def test_experts_stored_quantized_routers_untouched_and_round_trip(folders, name
                        again.generate(ids(1, 6), max_new_tokens=6, do_sample=False))
 
 
+def test_4bit_footprint_of_an_experts_dominated_model_is_under_0_30x_bfloat16(tmp_path):
+    """The issue's target, in bytes (device-independent): experts at least 97% of the weights, the 4-bit load's
+    `get_memory_footprint()` at most 0.30x the bfloat16 load's."""
+    torch.manual_seed(0)
+    config = GPTMoEConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                          num_experts=32, num_experts_per_tok=2, moe_layer_frequency=1, tie_word_embeddings=False)
+    model = GPTMoEForCausalLM(config)
+    share = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n) / model.num_parameters()
+    model.save_pretrained(tmp_path)
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16, quantization_config=BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True))
+    assert share >= 0.97 and quantized.num_parameters() == bf16.num_parameters()
+    assert quantized.get_memory_footprint() <= 0.30 * bf16.get_memory_footprint()
+
+
 @pytest.mark.parametrize("name", CONFIGS)
 def test_logit_error_within_1_5x_of_the_dense_llama(folders, name):
     """Mean |quantized - float32| logit, over the float32 logits' spread: the GPT-MoE's against the same-shape dense
