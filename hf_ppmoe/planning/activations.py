@@ -22,6 +22,10 @@ Per decoder layer:
   4E_l; the combine's expert outputs and weights a(TKH + TK) (PPMoE also the bool mask of routes elsewhere, TK).
 - once per micro-batch: token ids (8T), rotary cos and sin (2aSD); on the last stage the final norm, the float32
   log-probabilities (4TV) and the targets (8T).
+- under autocast (`Run.master_weights`: float32 weights, as hf_ppmoe.training's --mixed_precision): the residual stream
+  and the norms in float32, each linear layer reading a norm's output saves its own 16-bit cast of it (q, k and v: 3
+  casts), and every matrix multiplication keeps its 16-bit copy of its weight until the backward (`weight_copies`):
+  2 bytes per weight of the stage's linear layers, routers, experts and head.
 """
 
 from __future__ import annotations
@@ -30,12 +34,16 @@ from .layouts import Layout, Run, split_layers
 from .shapes import ModelSpec, activation_profile
 
 
-def _norm(config, T: int, a: int) -> int:
-    """A norm's saved tensors and its output (which the following linear layers save)."""
-    H = config.hidden_size
+def _norm(config, T: int, run: Run, consumers: int = 1) -> int:
+    """A norm's saved tensors and its output, which the following linear layers save. Under autocast (float32 weights)
+    the residual stream and the norms stay float32, and each of the `consumers` linear layers reading the output saves
+    its own 16-bit cast of it (autocast caches the casts of weights only)."""
+    H, a = config.hidden_size, run.act_bytes
+    inner = 4 if run.master_weights else a
+    outputs = T * H * a * (consumers if run.master_weights else 1)
     if config.norm_type == "rmsnorm":
-        return T * H * (4 + a) + 4 * T + T * H * a
-    return T * H * a + 8 * T + T * H * a
+        return T * H * (4 + inner) + 4 * T + outputs
+    return T * H * inner + 8 * T + outputs
 
 
 def _ffn_tensors(config, gated: bool) -> int:
@@ -49,7 +57,7 @@ def _ffn_tensors(config, gated: bool) -> int:
 def attention_bytes(spec: ModelSpec, layout: Layout, run: Run, T: int) -> int:
     c, a, tp = spec.config, run.act_bytes, layout.tp
     N, N_kv, D = c.num_attention_heads // tp, c.num_key_value_heads // tp, c.head_dim
-    total = _norm(c, T, a) + a * T * (2 * N + 2 * N_kv) * D + 4 * T * N
+    total = _norm(c, T, run, 3) + a * T * (2 * N + 2 * N_kv) * D + 4 * T * N
     if c.qk_norm:  # Qwen3's per-head RMSNorm of q and k: float32 input, 1/rms, normalised
         total += T * (N + N_kv) * D * (4 + a) + 4 * T * (N + N_kv)
     if c.hidden_dropout > 0:
@@ -106,9 +114,11 @@ def moe_bytes(spec: ModelSpec, layout: Layout, run: Run, T: int) -> int:
 def layer_bytes(spec: ModelSpec, layout: Layout, run: Run, T: int, layer: int) -> int:
     """Saved bytes of decoder layer `layer` for a micro-batch of T tokens (without recomputation)."""
     c = spec.config
-    ffn = moe_bytes(spec, layout, run, T) if spec.is_moe(layer) else dense_ffn_bytes(spec, layout, run, T)
+    moe = spec.is_moe(layer)
+    ffn = moe_bytes(spec, layout, run, T) if moe else dense_ffn_bytes(spec, layout, run, T)
+    readers = (1 + (2 if c.gated_mlp else 1) * bool(c.shared_expert_intermediate_size)) if moe else 1 + c.gated_mlp
     dropout = T * c.hidden_size if c.hidden_dropout > 0 else 0
-    return attention_bytes(spec, layout, run, T) + _norm(c, T, run.act_bytes) + ffn + dropout
+    return attention_bytes(spec, layout, run, T) + _norm(c, T, run, readers) + ffn + dropout
 
 
 def stage_bytes(spec: ModelSpec, layout: Layout, run: Run, stage: int, micro_batch: int) -> int:
@@ -120,14 +130,31 @@ def stage_bytes(spec: ModelSpec, layout: Layout, run: Run, stage: int, micro_bat
     layers = split_layers(spec.layers, layout.pp)[stage]
     per_layer = [layer_bytes(spec, layout, run, T, i) for i in layers]
     total = sum(per_layer) if not run.recompute else T * c.hidden_size * a * len(per_layer) + max(per_layer)
-    if c.position_embedding_type == "rotary":
-        total += 2 * a * S * c.head_dim
+    if c.position_embedding_type == "rotary":  # in the residual stream's dtype
+        total += 2 * (4 if run.master_weights else a) * S * c.head_dim
     if stage == 0:
         total += 8 * T + (8 * S if c.position_embedding_type == "learned" else 0)
         total += T * c.hidden_size if c.hidden_dropout > 0 else 0
     if stage == layout.pp - 1:
-        total += _norm(c, T, a) + 4 * T * c.vocab_size + 8 * T
+        total += _norm(c, T, run) + 4 * T * c.vocab_size + 8 * T
     return total
 
 
-__all__ = ["attention_bytes", "dense_ffn_bytes", "layer_bytes", "moe_bytes", "routed_rows", "stage_bytes"]
+def weight_copies(held, run: Run) -> int:
+    """Bytes of autocast's 16-bit copies of the weights a stage multiplies by (module docstring): every matrix but the
+    embeddings (a head tied to them is cast as the head), as gathered by FSDP; 0 without autocast."""
+    if not run.weight_copies:
+        return 0
+    total = 0
+    for h in held:
+        name = h.param.name
+        if len(h.param.shape) < 2 or name.startswith("model.embed_positions"):
+            continue
+        if name.startswith("model.embed_tokens") and not h.tied_head:
+            continue
+        total += h.gathered or h.numel
+    return total * run.act_bytes
+
+
+__all__ = ["attention_bytes", "dense_ffn_bytes", "layer_bytes", "moe_bytes", "routed_rows", "stage_bytes",
+           "weight_copies"]

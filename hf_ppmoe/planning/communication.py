@@ -78,11 +78,11 @@ def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: s
     out.append(_tp(T, H, a, "forward", kind))
     if kind == "moe" and c.shared_expert_intermediate_size:
         out.append(_tp(T, H, a, "forward", "shared expert"))
-    out.append(_tp(T, H, a, "backward", kind))
-    if kind == "moe":
+    if kind == "moe":  # in autograd's order: the routing weights' gradient, then the tokens'
         out.append(Collective("all_reduce", "tp", T * K * 4, T * K * 4, "backward", "routing weights' gradient"))
         if c.shared_expert_intermediate_size:
             out.append(_tp(T, H, a, "backward", "shared expert"))
+    out.append(_tp(T, H, a, "backward", kind))
     if kind == "attention" and c.qk_norm:
         norm = c.head_dim * run.param_bytes
         out += [Collective("all_reduce", "tp", norm, norm, "backward", "q_norm gradient"),

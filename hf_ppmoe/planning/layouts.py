@@ -29,6 +29,8 @@ class Layout:
     ep: int | None = None
     expert_tokens: str = "sliced"
     zero1: bool = False
+    ep_implementation: str | None = None  # "all_to_all" with ep == tp: Transformers' DistributedConfig(tp_size=N,
+    # ep_size=N, ep_implementation="all_to_all"), which hf_ppmoe.training does not build
 
     @property
     def world(self) -> int:
@@ -40,7 +42,7 @@ class Layout:
 
     @property
     def all_to_all(self) -> bool:
-        return self.ep_size > self.tp
+        return self.ep_size > self.tp or self.ep_implementation == "all_to_all"
 
     @property
     def expert_group(self) -> int:
@@ -95,6 +97,8 @@ class Layout:
         training/arguments.py, parallel/tensor_parallel.py, parallel/pipeline.py), or None."""
         if self.world != world:
             return f"{self.name()} is {self.world} processes, not {world}"
+        if self.expert_tokens != "sliced" or self.zero1 or self.ep_implementation:
+            return "a layout of another system (expert_tokens, zero1, ep_implementation), not of hf_ppmoe.training"
         heads = {"num_attention_heads": config.num_attention_heads, "num_key_value_heads": config.num_key_value_heads}
         for name, value in heads.items():
             if value % self.tp:

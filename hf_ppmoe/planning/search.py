@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 
-from .activations import stage_bytes
+from .activations import stage_bytes, weight_copies
 from .hardware import Cluster
 from .layouts import Layout, Rank, Run, microbatches, pipeline_in_flight
 from .shapes import ModelSpec
@@ -41,9 +41,7 @@ def rank_memory(spec: ModelSpec, layout: Layout, run: Run, rank: Rank, micro_bat
     state = state_bytes(spec, layout, run, rank)
     in_flight = pipeline_in_flight(layout, rank.stage, microbatches_)
     activations = stage_bytes(spec, layout, run, rank.stage, micro_batch) * in_flight
-    if run.weight_copies:  # autocast's casts of this stage's weights (as gathered), kept until the backward
-        held = held_params(spec, layout, run, rank)
-        activations += sum(h.gathered or h.numel for h in held) * run.act_bytes * in_flight
+    activations += weight_copies(held_params(spec, layout, run, rank), run) * in_flight
     return Memory(state["params"], state["grads"], state["optimizer"], activations,
                   gathered_bytes(spec, layout, run, rank), buffer_bytes(spec, layout, run, rank,
                                                                          micro_batch * run.seq_len))

@@ -31,6 +31,7 @@ class Held:
     # sharded
     shards: int  # FSDP shards of it (1: not sharded)
     apart: bool  # routed experts spread by all-to-all: fully_shard_model gives them an FSDP group of their own
+    tied_head: bool = False  # the input embedding, which the head on this stage also multiplies by
 
     @property
     def unit(self):
@@ -83,7 +84,9 @@ def held_params(spec: ModelSpec, layout: Layout, run: Run, rank: Rank) -> list[H
         if p.style == "embedding_rowwise" and layout.tp > 1 and not layout.fsdp_applied and not spec.tied:
             grad = p.numel  # comes back whole, unless the tied head's sharded gradient is added to it (measured)
         trainable = run.lora_rank == 0
-        held.append(Held(p, numel, grad if trainable else 0, trainable, padded, shards, p.expert and layout.all_to_all))
+        head = spec.tied and p.name == "model.embed_tokens.weight" and rank.stage == layout.pp - 1
+        held.append(Held(p, numel, grad if trainable else 0, trainable, padded, shards, p.expert and layout.all_to_all,
+                         head))
     return held
 
 
