@@ -274,23 +274,24 @@ def balanced_routes(config: dict, tokens: int) -> tuple:
 
 
 def measure(shape: str, sizes: dict, micro_batch: int, seq_len: int, microbatches: int) -> dict:
-    """On every rank of the job: build, split as hf_ppmoe.training does, one step; this rank's state and saved bytes.
-    Layouts whose experts exchange tokens (all-to-all) replay balanced routes (`balanced_routes`), the routing the
-    planner assumes, and also report the peak with the router's own routes."""
+    """On every rank of the job: build, split as hf_ppmoe.training does, two training steps (the first sets a
+    pipeline's shapes up); this rank's state after them, the peak bytes autograd held and the collectives of the
+    second step ((op, bytes) as `count_collectives` records them, sorted). Layouts whose experts exchange tokens
+    (all-to-all) replay balanced routes in the second step (`balanced_routes`: the routing the planner assumes); the
+    first step's peak, with the router's own routes, is reported beside."""
     import contextlib
 
     import torch
     import torch.distributed as dist
 
     from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
-    from hf_ppmoe.parallel import state_bytes
+    from hf_ppmoe.parallel import count_collectives, state_bytes
     from hf_ppmoe.training.parallel_setup import DataParallelGroup, split_model
 
     config = dict(SHAPES[shape])
     dtype = getattr(torch, config.pop("dtype", "float32"))
     autocast = config.pop("autocast", False)
     flags = dict(tp_size=sizes.get("tp", 1), pp_size=sizes.get("pp", 1), fsdp_size=sizes.get("fsdp", 1))
-    all_to_all = sizes.get("ep", flags["tp_size"]) > flags["tp_size"]
     world = dist.get_world_size()
     dp = DataParallelGroup(SimpleNamespace(process_index=dist.get_rank(), num_processes=world), **flags,
                            ep_size=sizes.get("ep"))
@@ -301,20 +302,42 @@ def measure(shape: str, sizes: dict, micro_batch: int, seq_len: int, microbatche
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rows = micro_batch * (microbatches if pipe is not None else 1)
     ids = torch.randint(3, config["vocab_size"], (rows, seq_len), generator=torch.Generator().manual_seed(dp.rank))
-    peaks = {}
-    for routing in (["own", "balanced"] if all_to_all else ["own"]):
-        replay = {"router_expert_ids": balanced_routes(config, rows * seq_len)} if routing == "balanced" else {}
+    peaks, comm = [], None
+    for step in range(2):
+        balanced = step and sizes_all_to_all(sizes)  # (no pipeline layout here exchanges tokens)
+        replay = {"router_expert_ids": balanced_routes(config, rows * seq_len)} if balanced else {}
         saved = SavedTensors(model)
         precision = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with saved.hooks():
+        with count_collectives() as comm, saved.hooks():
             with precision:
                 loss = pipe.step(ids, ids) if pipe is not None else model(ids, labels=ids, **replay).loss
             if pipe is None:
                 loss.backward()
-        peaks[routing] = saved.peak
+        peaks.append(saved.peak)
     optimizer.step()
-    return {"state": state_bytes(model, optimizer), "activations": peaks.get("balanced", peaks["own"]),
-            "own_routing": peaks["own"]}
+    return {"state": state_bytes(model, optimizer), "activations": peaks[1], "own_routing": peaks[0],
+            "collectives": sorted((c.op, c.bytes) for c in comm.calls)}
+
+
+def predicted_collectives(shape: str, sizes: dict, world: int, rank: int, micro_batch: int, seq_len: int,
+                          microbatches: int) -> list:
+    """The planner's (op, bytes) of the same step on `rank`, sorted."""
+    from hf_ppmoe import GPTMoEConfig
+    from hf_ppmoe.planning import Layout, Rank, Run
+    from hf_ppmoe.planning.communication import micro_batch_collectives, step_collectives
+    from hf_ppmoe.planning.shapes import model_spec
+
+    config = dict(SHAPES[shape])
+    config.pop("autocast", None)
+    run = Run(seq_len=seq_len, dtype=config.pop("dtype", "float32"))
+    spec = model_spec(GPTMoEConfig(**config))
+    tp, pp, fsdp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("fsdp", 1)
+    layout = Layout(tp=tp, pp=pp, fsdp=fsdp, dp=world // (tp * pp * fsdp), ep=sizes.get("ep"))
+    where = Rank.of(layout, rank)
+    steps = microbatches if pp > 1 else 1  # the benchmark's step: one micro-batch, or the pipeline's microbatches
+    calls = micro_batch_collectives(spec, layout, run, micro_batch * seq_len, where.stage) * steps
+    calls += step_collectives(spec, layout, run, where, steps)
+    return sorted((x.op, x.bytes) for x in calls)
 
 
 def predict(shape: str, sizes: dict, world: int, micro_batch: int, seq_len: int, microbatches: int) -> list[dict]:
@@ -350,12 +373,21 @@ def worker(out: str) -> None:
     for shape, sizes, micro_batch, seq_len, microbatches in LAYOUTS[world]:
         ranks = [None] * world
         dist.all_gather_object(ranks, measure(shape, sizes, micro_batch, seq_len, microbatches))
+        counted = [m.pop("collectives") for m in ranks]
+        planned = [predicted_collectives(shape, sizes, world, r, micro_batch, seq_len, microbatches)
+                   for r in range(world)]
         results.append({"shape": shape, "sizes": sizes, "micro_batch": micro_batch, "seq_len": seq_len,
                         "microbatches": microbatches, "measured": ranks,
-                        "predicted": predict(shape, sizes, world, micro_batch, seq_len, microbatches)})
+                        "predicted": predict(shape, sizes, world, micro_batch, seq_len, microbatches),
+                        # a model split by no flag is Accelerate's DDP in hf_ppmoe.training, which is not built here
+                        "collectives_equal": counted == planned if sizes else None, "collectives": len(counted[0])})
     if dist.get_rank() == 0:
         Path(out).write_text(json.dumps(results))
     dist.destroy_process_group()
+
+
+def sizes_all_to_all(sizes: dict) -> bool:
+    return sizes.get("ep", sizes.get("tp", 1)) > sizes.get("tp", 1)
 
 
 def layout_name(sizes: dict, world: int) -> str:
@@ -366,8 +398,9 @@ def layout_name(sizes: dict, world: int) -> str:
 
 def memory_table(results: list[dict]) -> list[str]:
     lines = ["| shape | layout | processes | micro-batch x S (microbatches) | state per rank: predicted = measured | "
-             "activations per rank, measured (MiB) | activations: largest error | with the router's own routes |",
-             "|---|---|---|---|---|---|---|---|"]
+             "activations per rank, measured (MiB) | activations: largest error | with the router's own routes | "
+             "collectives of a step (rank 0): predicted = counted |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         world = len(r["measured"])
         exact = all(m["state"] == p["state"] for m, p in zip(r["measured"], r["predicted"]))
@@ -376,11 +409,12 @@ def memory_table(results: list[dict]) -> list[str]:
         acts = sorted({round(m["activations"] / 2**20, 2) for m in r["measured"]})
         shown = ", ".join(f"{a:.2f}" for a in acts[:4]) + (", ..." if len(acts) > 4 else "")
         state = sum(r["measured"][0]["state"].values()) / 2**20
-        replayed = any(m["own_routing"] != m["activations"] for m in r["measured"])
+        replayed = sizes_all_to_all(r["sizes"])
         lines.append(f"| {r['shape']} | {layout_name(r['sizes'], world)} | {world} | {r['micro_batch']} x "
                      f"{r['seq_len']} ({r['microbatches']}) | {'yes' if exact else 'NO'} ({state:.2f} MiB on rank 0) | "
                      f"{shown} | {max(errors, key=abs):+.2%}{' (balanced routes)' if replayed else ''} | "
-                     f"{f'{min(own):+.1%} to {max(own):+.1%}' if replayed else 'the same'} |")
+                     f"{f'{min(own):+.1%} to {max(own):+.1%}' if replayed else 'the same'} | "
+                     f"{ {True: 'yes', False: 'NO', None: 'n/a (DDP)'}[r['collectives_equal']]} ({r['collectives']}) |")
     return lines
 
 

@@ -67,8 +67,8 @@ def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: s
             out.append(Collective("all_gather_into_tensor", "tp", T_l * H * a, T * H * a, "forward", "outputs"))
         out += [Collective("all_to_all_single", "ep", rows, rows, "backward", "output gradients"),
                 Collective("all_to_all_single", "ep", rows, rows, "backward", "input gradients")]
-        if sliced:
-            out += [Collective("all_gather_into_tensor", "tp", T_l * K * 4, T * K * 4, "backward", "weights' gradient"),
+        if sliced:  # the routing weights reach the experts in the activations' dtype
+            out += [Collective("all_gather_into_tensor", "tp", T_l * K * a, T * K * a, "backward", "weights' gradient"),
                     Collective("all_gather_into_tensor", "tp", T_l * H * a, T * H * a, "backward", "input gradient")]
         if c.shared_expert_intermediate_size and tp > 1:
             out += [_tp(T, H, a, "forward", "shared expert"), _tp(T, H, a, "backward", "shared expert")]
@@ -125,8 +125,14 @@ def step_collectives(spec: ModelSpec, layout: Layout, run: Run, rank: Rank, micr
     from .state import held_params
 
     g, p = run.grad_bytes_, run.param_bytes
-    # hf_ppmoe.parallel.Pipeline sums the step's loss parts (LM, aux, z: float32) over the stages
+    # hf_ppmoe.parallel.Pipeline sums the step's loss parts (LM, aux, z: float32) over the stages, and the first and
+    # last stages exchange the gradients of a tied embedding's two copies
     out = [Collective("all_reduce", "pp", 12, 12, "backward", "loss parts")] if layout.pp > 1 else []
+    if layout.pp > 1 and spec.tied and rank.stage in (0, layout.pp - 1):
+        V, H = spec.config.vocab_size, spec.config.hidden_size
+        grad = -(-V // layout.tp) * H * g if layout.tp > 1 else V * H * g
+        out += [Collective("send", "pp", grad, grad, "backward", "tied embedding gradient"),
+                Collective("recv_", "pp", grad, 0, "backward", "tied embedding gradient")]
     if layout.data_parallel == 1:
         return out
     held = held_params(spec, layout, run, rank)
