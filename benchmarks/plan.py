@@ -328,8 +328,9 @@ def predicted_collectives(shape: str, sizes: dict, world: int, rank: int, micro_
     from hf_ppmoe.planning.shapes import model_spec
 
     config = dict(SHAPES[shape])
-    config.pop("autocast", None)
-    run = Run(seq_len=seq_len, dtype=config.pop("dtype", "float32"))
+    autocast = config.pop("autocast", False)
+    run = Run(seq_len=seq_len, dtype="bfloat16" if autocast else config.pop("dtype", "float32"),
+              master_weights=autocast)
     spec = model_spec(GPTMoEConfig(**config))
     tp, pp, fsdp = sizes.get("tp", 1), sizes.get("pp", 1), sizes.get("fsdp", 1)
     layout = Layout(tp=tp, pp=pp, fsdp=fsdp, dp=world // (tp * pp * fsdp), ep=sizes.get("ep"))

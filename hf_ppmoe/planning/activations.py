@@ -25,7 +25,8 @@ Per decoder layer:
 - under autocast (`Run.master_weights`: float32 weights, as hf_ppmoe.training's --mixed_precision): the residual stream
   and the norms in float32, each linear layer reading a norm's output saves its own 16-bit cast of it (q, k and v: 3
   casts), and every matrix multiplication keeps its 16-bit copy of its weight until the backward (`weight_copies`):
-  2 bytes per weight of the stage's linear layers, routers, experts and head.
+  2 bytes per weight of the stage's linear layers, routers, experts and head: the linear layers' once per step
+  (autocast caches them for its region, which holds all of a pipeline's microbatches), the experts' per micro-batch.
 """
 
 from __future__ import annotations
@@ -140,9 +141,11 @@ def stage_bytes(spec: ModelSpec, layout: Layout, run: Run, stage: int, micro_bat
     return total
 
 
-def weight_copies(held, run: Run) -> int:
+def weight_copies(held, run: Run, in_flight: int = 1) -> int:
     """Bytes of autocast's 16-bit copies of the weights a stage multiplies by (module docstring): every matrix but the
-    embeddings (a head tied to them is cast as the head), as gathered by FSDP; 0 without autocast."""
+    embeddings (a head tied to them is cast as the head), as gathered by FSDP; 0 without autocast. Linear layers'
+    casts are cached for the autocast region (one per step, whatever the pipeline's microbatches); the experts cast
+    their weights themselves (autocast is off inside them), once per micro-batch in flight."""
     if not run.weight_copies:
         return 0
     total = 0
@@ -152,7 +155,7 @@ def weight_copies(held, run: Run) -> int:
             continue
         if name.startswith("model.embed_tokens") and not h.tied_head:
             continue
-        total += h.gathered or h.numel
+        total += (h.gathered or h.numel) * (in_flight if h.param.expert else 1)
     return total * run.act_bytes
 
 

@@ -52,20 +52,22 @@ def _tp(T: int, H: int, a: int, phase: str, what: str) -> Collective:
 
 def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: str) -> list[Collective]:
     """The collectives of one layer's part `kind` ("attention", "dense_ffn", "moe") for a micro-batch of T tokens,
-    forward then backward (no recomputation)."""
-    c, a, tp = spec.config, run.act_bytes, layout.tp
+    forward then backward (no recomputation). Under autocast the residual stream is float32 (`Run.stream_bytes`):
+    so are the gradients reduced into it and PPMoE's combined output; a row-split projection's output and the
+    experts' outputs sent back are 16-bit."""
+    c, a, tp = spec.config, run.stream_bytes, layout.tp
     H, K = c.hidden_size, c.num_experts_per_tok
     out: list[Collective] = []
     if kind == "moe" and layout.all_to_all:
         T_l, E = (T if layout.expert_tokens == "duplicated" else T // tp), c.num_experts
-        rows = T_l * K * H * a
+        rows, back = T_l * K * H * a, T_l * K * H * run.act_bytes
         out += [Collective("alltoall_base_", "ep", 8 * E, 8 * E, "forward", "expert counts"),
                 Collective("all_to_all_single", "ep", rows, rows, "forward", "routed rows out"),
-                Collective("all_to_all_single", "ep", rows, rows, "forward", "expert outputs back")]
+                Collective("all_to_all_single", "ep", back, back, "forward", "expert outputs back")]
         sliced = tp > 1 and layout.expert_tokens == "sliced"
         if sliced:
             out.append(Collective("all_gather_into_tensor", "tp", T_l * H * a, T * H * a, "forward", "outputs"))
-        out += [Collective("all_to_all_single", "ep", rows, rows, "backward", "output gradients"),
+        out += [Collective("all_to_all_single", "ep", back, back, "backward", "output gradients"),
                 Collective("all_to_all_single", "ep", rows, rows, "backward", "input gradients")]
         if sliced:  # the routing weights reach the experts in the activations' dtype
             out += [Collective("all_gather_into_tensor", "tp", T_l * K * a, T * K * a, "backward", "weights' gradient"),
@@ -75,9 +77,11 @@ def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: s
         return out
     if tp == 1:
         return out
-    out.append(_tp(T, H, a, "forward", kind))
+    # forward, a row-split projection's output (16-bit under autocast); PPMoE's combined experts' output and every
+    # backward gradient are in the stream's dtype (measured under CPU autocast)
+    out.append(_tp(T, H, a if kind == "moe" else run.act_bytes, "forward", kind))
     if kind == "moe" and c.shared_expert_intermediate_size:
-        out.append(_tp(T, H, a, "forward", "shared expert"))
+        out.append(_tp(T, H, run.act_bytes, "forward", "shared expert"))
     if kind == "moe":  # in autograd's order: the routing weights' gradient, then the tokens'
         out.append(Collective("all_reduce", "tp", T * K * 4, T * K * 4, "backward", "routing weights' gradient"))
         if c.shared_expert_intermediate_size:
@@ -93,7 +97,7 @@ def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: s
 def micro_batch_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, stage: int) -> list[Collective]:
     """Every collective one micro-batch of T tokens issues on stage `stage` (tensor, expert and pipeline
     parallelism); recomputation repeats the layers' forward ones in the backward pass."""
-    c, a, tp = spec.config, run.act_bytes, layout.tp
+    c, a, tp = spec.config, run.stream_bytes, layout.tp
     H = c.hidden_size
     out: list[Collective] = []
     if stage == 0 and tp > 1:
@@ -107,7 +111,8 @@ def micro_batch_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, s
                         for x in part if x.phase == "forward"]
     if stage == layout.pp - 1 and tp > 1:
         V_l = -(-c.vocab_size // tp)
-        out += [Collective("all_gather_into_tensor", "tp", T * V_l * a, T * V_l * tp * a, "forward", "logits"),
+        logits = run.act_bytes  # the head's output: 16-bit under autocast
+        out += [Collective("all_gather_into_tensor", "tp", T * V_l * logits, T * V_l * tp * logits, "forward", "logits"),
                 _tp(T, H, a, "backward", "head")]
     if layout.pp > 1:  # torch.distributed.pipelining's sends and receives (count_collectives records both)
         if stage < layout.pp - 1:
@@ -128,14 +133,14 @@ def step_collectives(spec: ModelSpec, layout: Layout, run: Run, rank: Rank, micr
     # hf_ppmoe.parallel.Pipeline sums the step's loss parts (LM, aux, z: float32) over the stages, and the first and
     # last stages exchange the gradients of a tied embedding's two copies
     out = [Collective("all_reduce", "pp", 12, 12, "backward", "loss parts")] if layout.pp > 1 else []
-    if layout.pp > 1 and spec.tied and rank.stage in (0, layout.pp - 1):
-        V, H = spec.config.vocab_size, spec.config.hidden_size
-        grad = -(-V // layout.tp) * H * g if layout.tp > 1 else V * H * g
+    held = held_params(spec, layout, run, rank)
+    if layout.pp > 1 and spec.tied and rank.stage in (0, layout.pp - 1):  # this rank's shard of the copies' gradient
+        name = "model.embed_tokens.weight" if rank.stage == 0 else "lm_head.weight"
+        grad = next(h.numel for h in held if h.param.name == name) * g
         out += [Collective("send", "pp", grad, grad, "backward", "tied embedding gradient"),
                 Collective("recv_", "pp", grad, 0, "backward", "tied embedding gradient")]
     if layout.data_parallel == 1:
         return out
-    held = held_params(spec, layout, run, rank)
     if not layout.split or layout.zero1:  # Accelerate's DDP (or ZeRO-1): all-reduces of the gradients, once a step
         grads = sum(h.grad_numel for h in held if not h.apart) * g
         out.append(Collective("all_reduce", "batch", grads, grads, "backward", "gradients"))
@@ -152,7 +157,12 @@ def step_collectives(spec: ModelSpec, layout: Layout, run: Run, rank: Rank, micr
         trained = sum(h.gathered for h in members if h.trainable)
         name = "root" if key is None else f"layer {key}" if not apart else f"experts of layer {key[1]}"
         if shards > 1:
-            gathers = microbatches * (2 if run.reshard_after_forward else 1)
+            # every forward gathers, and every backward after a resharding forward; a pipeline keeps the layers
+            # gathered from its first backward to its last (torch.distributed.pipelining: no resharding between)
+            if layout.pp > 1:
+                gathers = microbatches + 1 if run.reshard_after_forward else 1
+            else:
+                gathers = microbatches * (2 if run.reshard_after_forward else 1)
             out += [Collective("_allgather_base_", "experts" if apart else "fsdp", whole * p, whole * p, "forward",
                                name)] * gathers
             if trained:

@@ -149,6 +149,11 @@ class Run:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def stream_bytes(self) -> int:
+        """Bytes per element of the residual stream (what crosses ranks between layers): float32 under autocast."""
+        return 4 if self.master_weights else DTYPE_BYTES[self.dtype]
+
+    @property
     def param_bytes(self) -> int:
         return 4 if self.master_weights else DTYPE_BYTES[self.dtype]
 

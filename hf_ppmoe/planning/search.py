@@ -41,7 +41,7 @@ def rank_memory(spec: ModelSpec, layout: Layout, run: Run, rank: Rank, micro_bat
     state = state_bytes(spec, layout, run, rank)
     in_flight = pipeline_in_flight(layout, rank.stage, microbatches_)
     activations = stage_bytes(spec, layout, run, rank.stage, micro_batch) * in_flight
-    activations += weight_copies(held_params(spec, layout, run, rank), run) * in_flight
+    activations += weight_copies(held_params(spec, layout, run, rank), run, in_flight)
     return Memory(state["params"], state["grads"], state["optimizer"], activations,
                   gathered_bytes(spec, layout, run, rank), buffer_bytes(spec, layout, run, rank,
                                                                          micro_batch * run.seq_len))

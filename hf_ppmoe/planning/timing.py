@@ -1,6 +1,7 @@
 """Step time of a layout, from the data sheets' numbers (hardware.py) and one efficiency factor per GPU kind.
 
-- compute: the GEMM FLOPs of this rank (forward once, backward twice, the forward again with recomputation) at
+- compute: the GEMM FLOPs of this rank (forward once, backward twice, or once for a LoRA-frozen base, the forward
+  again with recomputation) at
   peak x efficiency, plus the MoE layers' routing traffic (router probabilities, gathering each route's row, gathering
   the outputs back, the weighted sum: memory-bound, at the data sheet's HBM bandwidth). FLOPs per micro-batch of B
   sequences of S tokens (T = B S), per rank: attention projections 2TH(N + 2N_kv)D / tp + 2TNDH / tp, attention
@@ -118,7 +119,9 @@ def step_time(spec: ModelSpec, layout: Layout, run: Run, cluster: Cluster, micro
     """One optimizer step of `microbatches` micro-batches of `micro_batch` sequences on every data-parallel rank."""
     gpu = cluster.gpu
     T = micro_batch * run.seq_len
-    passes = 4 if run.recompute else 3  # forward, backward (twice the forward), recomputed forward
+    # forward, backward (twice the forward: input and weight gradients; a frozen base under LoRA only the input's),
+    # recomputed forward
+    passes = (2 if run.lora_rank else 3) + bool(run.recompute)
     slots, comm, dp_seconds, optimizer = [], [], [], []
     for stage in range(layout.pp):
         flops, traffic = forward_parts(spec, layout, run, stage, micro_batch)
