@@ -15,7 +15,7 @@ errors print before torch is imported (commands.py and choices.py need only the 
 from ..utils.lazy import lazy_names
 
 _NAMES = {
-    "ARCHITECTURES": "architectures", "Architecture": "architectures", "get_architecture": "architectures",
+    "ARCHITECTURES": "architectures", "Architecture": "adapter", "get_architecture": "architectures",
     "TARGETS": "export", "export_moe": "export", "export_reasons": "export",
     "ConversionError": "mapping", "Mapping": "mapping", "Rule": "mapping",
     "MERGE_METHODS": "choices", "ROUTER_INITS": "choices",
