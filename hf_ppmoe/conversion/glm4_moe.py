@@ -17,8 +17,8 @@ import torch
 
 from .adapter import Architecture, FieldMap, capacity_reasons, expert_size, jitter_reasons, moe_layers, renormalizes, weighting
 from .choices import EXPORT_CLASSES
-from .llama import biases, decoder_reasons, dense_ffn_rules, expert_rules, llama_names, rotary_config, rotary_fields
-from .mapping import ConversionError, Create, Drop, Rule, rename
+from .llama import absent, biases, decoder_reasons, dense_ffn_rules, expert_rules, llama_names, rotary_config, rotary_fields
+from .mapping import ConversionError, rename
 
 FIELDS = FieldMap.of("num_experts_per_tok", "output_router_logits", "intermediate_size", "routed_scaling_factor",
                      "attention_bias", num_experts="n_routed_experts", num_expert_groups="n_group", qk_norm="use_qk_norm")
@@ -64,7 +64,7 @@ def _rules(c, names=frozenset(), ours=None, dtype=torch.float32):
         rules += [
             rename(m + "gate.weight", m + "gate.weight"),
             rename(m + "gate.e_score_correction_bias", m + "gate.expert_bias") if expert_bias else
-            Rule((m + "gate.e_score_correction_bias",), (), Drop(Create(lambda: torch.zeros(c.n_routed_experts)))),
+            absent(m + "gate.e_score_correction_bias", (c.n_routed_experts,)),
             *expert_rules(m, m, "gate_proj", "up_proj", "down_proj"),
         ]
         shared = [f"{m}shared_experts.{p}_proj.weight" for p in ("gate", "up", "down")]
@@ -72,8 +72,7 @@ def _rules(c, names=frozenset(), ours=None, dtype=torch.float32):
             rules += [rename(name, name.replace("shared_experts.", "shared_expert.")) for name in shared]
         else:  # width 0 (its output is exactly zero): ours has no shared expert
             H = c.hidden_size
-            rules += [Rule((name,), (), Drop(Create(lambda shape=shape: torch.zeros(shape, dtype=dtype))))
-                      for name, shape in zip(shared, ((0, H), (0, H), (H, 0)))]
+            rules += [absent(name, shape, dtype) for name, shape in zip(shared, ((0, H), (0, H), (H, 0)))]
     return rules
 
 

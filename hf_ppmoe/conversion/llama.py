@@ -8,8 +8,10 @@ and norms they have and where their sliding window applies; `fields` says so onc
 
 from __future__ import annotations
 
+import torch
+
 from .adapter import Architecture, FieldMap, every_layer
-from .mapping import Chain, Concat, ConversionError, Rule, Stack, rename
+from .mapping import Chain, Concat, ConversionError, Create, Drop, Rule, Stack, rename
 
 # the fields every decoder source carries under one name (GPT-2 too)
 COMMON = FieldMap.of("vocab_size", "num_hidden_layers", "initializer_range", "tie_word_embeddings", "use_cache",
@@ -86,6 +88,11 @@ def llama_names(f: dict, dense_mlp: bool = True) -> list[str]:
 def dense_ffn_rules(m: str) -> list[Rule]:
     """A gated dense FFN of an MoE decoder (its dense layers)."""
     return [rename(f"{m}{p}_proj.weight", f"{m}{p}_proj.weight") for p in ("gate", "up", "down")]
+
+
+def absent(name: str, shape, dtype=torch.float32) -> Rule:
+    """A tensor of theirs that ours lacks: dropped when read, zeros of `dtype` when written (export)."""
+    return Rule((name,), (), Drop(Create(lambda: torch.zeros(shape, dtype=dtype))))
 
 
 def expert_rules(source: str, target: str, gate: str, up: str, down: str) -> list[Rule]:

@@ -22,9 +22,9 @@ import torch
 
 from .adapter import Architecture, FieldMap, expert_size, moe_layers, renormalizes, routing_reasons, weighting
 from .choices import EXPORT_CLASSES
-from .llama import (MOE, biases, decoder_reasons, dense_ffn_rules, expert_rules, llama_names, rotary_config,
+from .llama import (MOE, absent, biases, decoder_reasons, dense_ffn_rules, expert_rules, llama_names, rotary_config,
                     rotary_fields, window_fields)
-from .mapping import Create, Drop, Rule, Scale, rename
+from .mapping import Rule, Scale, rename
 
 FIELDS = MOE | FieldMap.of("intermediate_size", "num_experts", "sliding_window")
 
@@ -66,23 +66,20 @@ def _layer_rules(c, shared) -> list[Rule]:
 # -------------------------------------------------------------------------------------------------- Qwen2-MoE
 
 
-def _qwen2_rules(c, names=frozenset(), ours=None, dtype=torch.float32) -> list[Rule]:
+def _qwen2_rules(c, names=frozenset(), dtype=torch.float32, **_) -> list[Rule]:
     """Read as an import; export inverts it: zeros of `dtype` for the shared expert's gate (and width-0 weights when
     ours has no shared expert), the down-projection times 2."""
     H = c.hidden_size
     dense = dict(attention_bias=c.qkv_bias, attention_output_bias=False, mlp_bias=False, qk_norm=False,
                  tie_word_embeddings=c.tie_word_embeddings)
 
-    def zeros(name, shape):
-        return Rule((name,), (), Drop(Create(lambda: torch.zeros(shape, dtype=dtype))))
-
     def shared(m):
-        names = [f"{m}shared_expert.{p}_proj.weight" for p in ("gate", "up", "down")]
+        gate, up, down = (f"{m}shared_expert.{p}_proj.weight" for p in ("gate", "up", "down"))
         if c.shared_expert_intermediate_size:  # sigmoid(0) = 1/2 exactly: a zero gate, a doubled down-projection
-            layer = [rename(names[0], names[0]), rename(names[1], names[1]), rename(names[2], names[2], Scale(0.5))]
+            layer = [rename(gate, gate), rename(up, up), rename(down, down, Scale(0.5))]
         else:  # width 0: the shared expert's output is exactly zero
-            layer = [zeros(name, shape) for name, shape in zip(names, ((0, H), (0, H), (H, 0)))]
-        return [zeros(m + "shared_expert_gate.weight", (1, H)), *layer]
+            layer = [absent(gate, (0, H), dtype), absent(up, (0, H), dtype), absent(down, (H, 0), dtype)]
+        return [absent(m + "shared_expert_gate.weight", (1, H), dtype), *layer]
 
     return [rename(n, n) for n in llama_names(dense, dense_mlp=False)] + _layer_rules(c, shared)
 

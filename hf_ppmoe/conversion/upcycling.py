@@ -3,7 +3,7 @@ our classes.
 
 Legend: E experts, K routes per token, H hidden, I FFN inner size.
 
-Upcycling is two maps, both declarative and reversible: the source architecture's table (architectures.py, t5.py)
+Upcycling is two maps, both declarative and reversible: the source architecture's table (its `Architecture`)
 renames its weights into the dense names of our model (GPT-MoE for decoders, Seq2Seq-MoE for encoder-decoders), then
 `experts_mapping` turns each chosen dense FFN into E copies plus a router.
 
