@@ -506,14 +506,11 @@ def import_moe(
     progress: bool = False,
     **config_overrides,
 ) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
-    """Import an MoE checkpoint (a model object or a folder / Hub id) into our classes: same weights, same routing,
-    equal logits. Mixtral and Qwen3-MoE become a GPT-MoE with a "topk" gate (Qwen3-MoE with qk_norm, its dense layers
-    and expert size), GLM-4-MoE a GPT-MoE with a sigmoid "topk" gate (its score-correction bias as expert_bias, its
-    groups, scaling factor, dense layers and shared experts; only with partial_rotary_factor=1.0), Switch Transformers
-    a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its expert_capacity). `merge_experts`
-    turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM, T5ForConditionalGeneration; none for
-    a Qwen3-MoE whose dense layers and experts differ in size, nor for a GLM-4-MoE). Returns the model,
-    or writes it to `save_directory` and returns the path (as `upcycle`)."""
+    """Import an MoE checkpoint (a model object or a folder / Hub id: Mixtral, Qwen3-MoE, GLM-4-MoE or Switch
+    Transformers) into our classes: same weights, same routing, equal logits; each architecture's module (mixtral.py,
+    qwen_moe.py, glm4_moe.py, t5.py) says what it becomes and what it refuses. `merge_experts` turns the result into
+    its dense twin (Mistral, Qwen3, T5; none for GLM-4-MoE, nor where dense layers and experts differ in size).
+    Returns the model, or writes it to `save_directory` and returns the path (as `upcycle`)."""
     checkpoint, arch, names = _dense_checkpoint(moe, moe=True)
     fields = arch.fields(checkpoint.config, names)
     config = _moe_config(arch, fields, config_overrides)
