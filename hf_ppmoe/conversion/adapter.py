@@ -49,7 +49,7 @@ class Architecture:
     fields(their config, their tensor names) -> our config's fields (a T5 checkpoint shows an untied head only by
         storing it); None where ours cannot compute it (Qwen2-MoE's gated shared expert: export only).
     config(our config) -> their config: the export, and the dense twin that merging an imported model writes; None
-        for the dense sources (merging writes back the config upcycling recorded).
+        where nothing writes it (merging an upcycled model writes back the dense config upcycling recorded).
     rules(their config, their tensor names, **export) -> `Rule`s from their names to ours. An export passes `ours`
         (our config) and `dtype` (of the tensors it creates: what the target has and ours lacks).
     reasons(our config) -> what of it the target cannot compute, one sentence each (export targets).
@@ -72,6 +72,11 @@ class Architecture:
         experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
         return Mapping(self.rules(config, names, **export), num_layers=config.num_hidden_layers, num_experts=experts,
                        ignore=self.ignore)
+
+
+# the fields every decoder source carries under one name
+COMMON = FieldMap.of("vocab_size", "num_hidden_layers", "initializer_range", "tie_word_embeddings", "use_cache",
+                     "pad_token_id", "bos_token_id", "eos_token_id", "dtype")
 
 
 def every_layer(template: str) -> Callable:

@@ -10,8 +10,7 @@
 
 from __future__ import annotations
 
-from .adapter import Architecture, FieldMap, every_layer
-from .llama import COMMON
+from .adapter import COMMON, Architecture, FieldMap, every_layer
 from .mapping import Chain, ConversionError, Rule, Split, Transpose, rename
 
 FIELDS = COMMON | FieldMap.of("hidden_size", "num_attention_heads", "max_position_embeddings",

@@ -10,13 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from .adapter import Architecture, FieldMap, every_layer
+from .adapter import COMMON, Architecture, FieldMap, every_layer
 from .mapping import Chain, Concat, ConversionError, Create, Drop, Rule, Stack, rename
 
-# the fields every decoder source carries under one name (GPT-2 too)
-COMMON = FieldMap.of("vocab_size", "num_hidden_layers", "initializer_range", "tie_word_embeddings", "use_cache",
-                     "pad_token_id", "bos_token_id", "eos_token_id", "dtype")
-# and every Llama-family decoder, MoE ones included
+# the fields every Llama-family decoder carries, MoE ones included
 DECODER = COMMON | FieldMap.of("hidden_size", "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
                                "hidden_act", "attention_dropout", layer_norm_eps="rms_norm_eps")
 # and every MoE decoder (Mixtral, Qwen-MoE, GLM-4-MoE)
