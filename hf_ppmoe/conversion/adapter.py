@@ -123,17 +123,16 @@ def capacity_reasons(c, label: str) -> list[str]:
     ]
 
 
-def jitter_reasons(c, label: str) -> list[str]:
-    """No target jitters as ours does: Mixtral and Switch multiply theirs into the hidden states the experts read
-    too, the Qwen and GLM models have none."""
+def jitter_reasons(c, label: str, jitters: bool) -> list[str]:
+    """No target jitters as ours does: those that jitter (`jitters`: Mixtral, Switch) multiply the noise into the
+    hidden states the experts read too, the others have none."""
     if c.router_jitter_noise <= 0:
         return []
-    target = f"{label} has no jitter" if label.startswith(("Qwen", "GLM")) else (
-        f"{label} multiplies the hidden states the experts also read")
+    target = f"{label} multiplies the hidden states the experts also read" if jitters else f"{label} has no jitter"
     return [f"router_jitter_noise={c.router_jitter_noise}: ours jitters only the router's input; {target}"]
 
 
-def routing_reasons(c, label: str) -> list[str]:
+def routing_reasons(c, label: str, jitters: bool) -> list[str]:
     """What the softmax top-k targets (Mixtral, Qwen, Switch) need of routing."""
     softmax = [
         f"{name}={value!r}: {what}; {label}'s router is a softmax top-k with neither"
@@ -145,7 +144,7 @@ def routing_reasons(c, label: str) -> list[str]:
         )
         if (value := getattr(c, name, default)) != default
     ]
-    return capacity_reasons(c, label) + softmax + jitter_reasons(c, label)
+    return capacity_reasons(c, label) + softmax + jitter_reasons(c, label, jitters)
 
 
 def renormalizes(c) -> bool:

@@ -120,7 +120,7 @@ def _reasons(c) -> list[str]:
     if c.sliding_window is not None:
         reasons.append(f"sliding_window={c.sliding_window}; {label} attends to every earlier position")
     bias_reason = f"an o_proj bias ({biases(c)}); {label} has q/k/v biases only" if c.attention_output_bias else None
-    return (reasons + capacity_reasons(c, label) + jitter_reasons(c, label)
+    return (reasons + capacity_reasons(c, label) + jitter_reasons(c, label, jitters=False)
             + decoder_reasons(c, label, bias_reason, qk_norm=c.qk_norm))  # use_qk_norm is ours
 
 

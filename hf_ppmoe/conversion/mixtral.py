@@ -64,7 +64,7 @@ def _reasons(c) -> list[str]:
         reasons.append(f"a shared expert (shared_expert_intermediate_size={c.shared_expert_intermediate_size}); "
                        f"{label} has none (qwen2_moe has one)")
     bias_reason = f"attention biases ({biases(c)}); {label} has none" if c.attention_bias or c.attention_output_bias else None
-    return reasons + routing_reasons(c, label) + decoder_reasons(c, label, bias_reason)
+    return reasons + routing_reasons(c, label, jitters=True) + decoder_reasons(c, label, bias_reason)
 
 
 ARCHITECTURES = [

@@ -96,7 +96,7 @@ def _qwen2_reasons(c) -> list[str]:
     label = "Qwen2-MoE"
     _, reasons = weighting(c, label)
     bias_reason = f"an o_proj bias ({biases(c)}); {label} has q/k/v biases only" if c.attention_output_bias else None
-    return reasons + routing_reasons(c, label) + decoder_reasons(c, label, bias_reason)
+    return reasons + routing_reasons(c, label, jitters=False) + decoder_reasons(c, label, bias_reason)
 
 
 # -------------------------------------------------------------------------------------------------- Qwen3-MoE
@@ -141,7 +141,7 @@ def _qwen3_reasons(c) -> list[str]:
     bias_reason = None
     if c.attention_bias != c.attention_output_bias:
         bias_reason = f"attention biases ({biases(c)}); {label} has biases on all of q, k, v, o or on none"
-    return reasons + routing_reasons(c, label) + decoder_reasons(c, label, bias_reason, qk_norm=True)
+    return reasons + routing_reasons(c, label, jitters=False) + decoder_reasons(c, label, bias_reason, qk_norm=True)
 
 
 ARCHITECTURES = [

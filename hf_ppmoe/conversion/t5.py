@@ -314,7 +314,7 @@ def _switch_reasons(c) -> list[str]:
          f"d_model**-0.5 rescaling (tie_word_embeddings=True, scale_decoder_outputs=False); {label} ties its head "
          "only together with that rescaling"),
     ]
-    return reasons + [text for bad, text in checks if bad] + routing_reasons(c, label)
+    return reasons + [text for bad, text in checks if bad] + routing_reasons(c, label, jitters=True)
 
 
 ARCHITECTURES = [
