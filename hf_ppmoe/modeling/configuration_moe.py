@@ -136,7 +136,7 @@ class MoEConfig(PreTrainedConfig):
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
-        # before 0.2 the experts' kernel was the field `dispatch`, a word now kept for the token dispatcher
+        # before 0.2 the experts' kernel was the config field `dispatch`
         legacy = kwargs.pop("dispatch", None)
         if legacy is not None:
             logger.warning_once(

@@ -32,12 +32,12 @@ to choose experts, never to the weights; saved with the model) and `global_fract
 global batch; training state). `hf_ppmoe.moe.balance.LoadBalancer` updates both after each optimizer step.
 
 Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
-set (else the default generator), so tensor-parallel ranks that share a seed draw the same numbers.
+set (else the default generator). A layout whose ranks route the same tokens (tensor parallelism) sets
+`generator_seed` alike on every rank: the gate then makes its generator from it, on its input's device, at its first
+draw, so those ranks draw the same numbers.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -104,7 +104,7 @@ class Gate(nn.Module):
         scope = self.aux_loss_scope == "global_batch"
         self.register_buffer("global_fraction", torch.zeros(E, dtype=torch.float32) if scope else None, persistent=False)
         self.generator: torch.Generator | None = None
-        self._given: dict = {}
+        self.generator_seed: int | None = None  # see the module docstring: randomness
 
     def reset_parameters(self) -> None:
         """Normal(0, initializer_range) router weight: the one place it is written (the model's `_init_weights` calls
@@ -162,20 +162,11 @@ class Gate(nn.Module):
         return router_z_loss(logits, token_mask)
 
     def _uniform(self, shape, device) -> torch.Tensor:
+        if self.generator is None and self.generator_seed is not None:
+            self.generator = torch.Generator(device).manual_seed(self.generator_seed)
         return torch.rand(shape, device=device, generator=self.generator)
 
     # -- the steps of forward -------------------------------------------------------------------------------------
-
-    @contextmanager
-    def given(self, *, expert_ids: torch.Tensor | None = None, sequence_length: int | None = None):
-        """What the layer knows and the gate's caller may not pass: the routes to replay ([T, K]) and the sequence
-        length (for `router_aux_loss_scope="sequence"`). `MoELayer` enters this around its dispatcher, so that every
-        dispatcher (local, PPMoE, all-to-all) calls the gate with the same three arguments."""
-        saved, self._given = self._given, {"expert_ids": expert_ids, "sequence_length": sequence_length}
-        try:
-            yield
-        finally:
-            self._given = saved
 
     def apply_input_jitter(self, x: torch.Tensor) -> torch.Tensor:
         """Multiplicative jitter (Switch Transformer) in training, on a copy: the caller's tensor is never modified."""
@@ -230,9 +221,7 @@ class Gate(nn.Module):
         """hidden_states [T, H], token_mask [T] (False for padding) -> Routing. The losses and statistics are
         computed when `compute_losses` says so, by default when gradients are on (`losses.losses_wanted`).
         expert_ids [T, K]: router replay (the routes are these; weights, capacity and padding as usual).
-        sequence_length: tokens per sequence (for the "sequence" aux-loss scope). Both default to `given`'s."""
-        expert_ids = self._given.get("expert_ids") if expert_ids is None else expert_ids
-        sequence_length = self._given.get("sequence_length") if sequence_length is None else sequence_length
+        sequence_length: tokens per sequence (for the "sequence" aux-loss scope)."""
         T, E = hidden_states.shape[0], self.num_experts
         logits = self.gating(self.apply_input_jitter(hidden_states))  # [T, E]
         selected, weights, probs = self.routing(logits, expert_ids)
