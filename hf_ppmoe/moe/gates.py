@@ -243,10 +243,11 @@ class Gate(nn.Module):
             return num_tokens
         return group_size
 
-    def statistics_and_losses(self, routing: Routing, chosen, selected, probs, token_mask, sequence_length) -> Routing:
-        """The Routing with its statistics (routes received, dropped fraction, what the balance loss counted) and
-        losses (aux as `router_aux_loss_scope` says, z). chosen: the routes after padding, before capacity;
-        selected: before padding."""
+    def statistics_and_losses(self, routing: Routing, real_routes, selected, probs, token_mask, sequence_length) -> Routing:
+        """The Routing with its statistics (routes received, dropped fraction) and losses (aux as
+        `router_aux_loss_scope` says, z). real_routes: the real tokens' routes before capacity (padding removed);
+        selected: before padding. The "global_batch" scope also returns what its loss counted (`assigned_per_expert`,
+        `num_tokens`), which `balance.LoadBalancer` sums over the step; no other scope counts them."""
         E, T = self.num_experts, routing.expert_ids.shape[0]
         device = routing.expert_ids.device
         with torch.no_grad():  # routes each expert received (real tokens, after capacity): counted, not one-hot
@@ -254,14 +255,17 @@ class Gate(nn.Module):
             if routing.capacity is None and token_mask is None:
                 dropped_fraction = torch.zeros((), device=device)
             else:
-                num_chosen = (chosen < E).sum()
-                dropped_fraction = (num_chosen - received[:E].sum()) / num_chosen.clamp(min=1)
-            routes, share = self.assignment(selected)
-            mask = None if token_mask is None else token_mask.view(T, 1).expand(routes.shape).reshape(-1)
-            assigned = route_counts(routes.reshape(-1), E + 1, torch.float32, mask)[:E] * share
-            num_tokens = torch.full((), float(T), device=device) if token_mask is None else token_mask.float().sum()
+                num_real_routes = (real_routes < E).sum()
+                dropped_fraction = (num_real_routes - received[:E].sum()) / num_real_routes.clamp(min=1)
+        routes, share = self.assignment(selected)
         group = self.loss_group_size(T, routing.group_size, sequence_length)
+        counted = {}
         if self.aux_loss_scope == "global_batch":
+            with torch.no_grad():
+                mask = None if token_mask is None else token_mask.view(T, 1).expand(routes.shape).reshape(-1)
+                assigned = route_counts(routes.reshape(-1), E + 1, torch.float32, mask)[:E] * share
+                num_tokens = torch.full((), float(T), device=device) if token_mask is None else token_mask.float().sum()
+            counted = dict(assigned_per_expert=assigned, num_tokens=num_tokens)
             # the last step's global-batch fraction once there is one (the first step: this input's)
             local = (assigned / num_tokens.clamp(min=1)).unsqueeze(0)
             fraction = torch.where(self.global_fraction.sum() > 0, self.global_fraction.unsqueeze(0), local)
@@ -274,8 +278,7 @@ class Gate(nn.Module):
             z_loss=self.z_loss(routing.router_logits, token_mask),
             tokens_per_expert=received[:E],
             dropped_fraction=dropped_fraction,
-            assigned_per_expert=assigned,
-            num_tokens=num_tokens,
+            **counted,
         )
 
 
