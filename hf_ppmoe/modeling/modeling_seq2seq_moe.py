@@ -31,14 +31,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
-from ..moe.losses import losses_wanted
 from ..utils.transformers_private import attention_implementation, register_output_recorders
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
 from .common import MoEPreTrainedModel
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
 from .inputs import check_ids, check_tokens, routing_token_mask
-from .loss import is_target, lm_targets, model_loss
+from .loss import is_target, lm_targets, model_loss, router_losses_wanted
 from .norms import build_norm
 
 
@@ -555,7 +554,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             decoder_token_mask=is_target(labels) if labels is not None else None,
-            compute_router_losses=compute_router_losses if labels is None else losses_wanted(compute_router_losses, labels=True),
+            compute_router_losses=router_losses_wanted(compute_router_losses, labels),
             **kwargs,
         )
         logits = self.lm_logits(out.last_hidden_state)

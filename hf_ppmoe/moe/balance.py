@@ -60,8 +60,7 @@ class LoadBalancer:
     which are training state and not saved with the model, and the counts not yet used)."""
 
     def __init__(self, model: torch.nn.Module, rate: float | None = None):
-        config = getattr(model, "config", None)
-        self.rate = rate if rate is not None else getattr(config, "router_bias_update_rate", 0.001)
+        self.rate = rate if rate is not None else model.config.router_bias_update_rate
         self.hooks = RoutingHooks(model, self._add)
         self.layers: dict[str, MoELayer] = {n: layer for n, layer in self.hooks.layers.items() if needs_balancing(layer)}
         self.counts: dict[str, torch.Tensor] = {}  # per layer [2E + 1]: received, assigned, tokens (global-batch only)

@@ -85,7 +85,7 @@ class Experts(nn.Module):
             else:
                 self.up_proj_bias = nn.Parameter(torch.zeros(E, I))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
-        self.initializer_range = getattr(config, "initializer_range", 0.02)
+        self.initializer_range = config.initializer_range
         self.reset_parameters()
         self.act_fn = ACT2FN[config.hidden_act]
         self.swiglu = self.has_gate and config.hidden_act in ("silu", "swish")
@@ -142,7 +142,7 @@ class Experts(nn.Module):
     def experts_implementation(self) -> str:
         """The kernel chosen for the model (`config._experts_implementation`): "index" when none was chosen (a layer
         built outside a model) or Transformers' "eager" (the module's own forward) was."""
-        name = getattr(self.config, "_experts_implementation", None)
+        name = self.config._experts_implementation
         return "index" if name in (None, "eager") else name
 
     def implementation(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor) -> str:
