@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM, Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
+from ..modeling.configuration_moe import MoEConfig
 from ..moe.gates import get_gate_class
 from .adapter import Architecture
 from .architectures import ARCHITECTURES, get_architecture
@@ -357,10 +358,10 @@ def _moe_config(arch: Architecture, fields: dict, overrides: dict, **extra):
 def upcycle(
     dense,
     *,
-    num_experts: int = 8,
+    num_experts: int = MoEConfig.num_experts,
     num_experts_per_tok: int | None = None,
-    router_type: str = "topk",
-    moe_layer_frequency: int = 2,
+    router_type: str = MoEConfig.router_type,
+    moe_layer_frequency: int = MoEConfig.moe_layer_frequency,
     moe_layers: list[int] | None = None,
     router_init: str = "zeros",
     sample_texts=None,

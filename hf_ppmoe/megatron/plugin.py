@@ -28,6 +28,7 @@ from accelerate.utils import AbstractTrainStep, add_model_config_to_megatron_par
 
 from ..conversion.adapter import FieldMap
 from ..modeling.loss import IGNORE_INDEX
+from ..moe.gates import TopKGate
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -64,7 +65,7 @@ def megatron_incompatibilities(config) -> list[str]:
             "one top-1 per group of experts (Megatron's group-limited routing selects groups, then top-k across them)",
         }.get(config.router_type, "only the built-in 'topk' and 'switch' gates have a Megatron counterpart")
         problems.append(f"router_type={config.router_type!r}: {reason}.")
-    if has_moe and config.router_type == "topk" and getattr(config, "topk_weighting", "probs") != "probs":
+    if has_moe and config.router_type == "topk" and config.topk_weighting != "probs":
         problems.append(
             f"topk_weighting={config.topk_weighting!r}: Megatron weights the top-k by their probabilities (optionally "
             "renormalised), not by a softmax over them (M6-T Eq. (1)); use topk_weighting='probs'."
@@ -81,19 +82,18 @@ def megatron_incompatibilities(config) -> list[str]:
             f"router_num_groups={config.router_num_groups}: our load-balancing loss is per group, Megatron's per "
             "micro-batch; use router_num_groups=1."
         )
-    sigmoid = getattr(config, "router_score_function", "softmax") == "sigmoid"
-    groups, k = getattr(config, "num_expert_groups", 1), config.num_experts_per_tok
-    topk_groups = getattr(config, "topk_expert_groups", None) or groups
+    sigmoid = config.router_score_function == "sigmoid"
+    (groups, topk_groups), k = TopKGate.expert_groups(config), config.num_experts_per_tok
     for wrong, message in (
         (sigmoid and k > 1 and not config.norm_topk_prob, "router_score_function='sigmoid' with norm_topk_prob=False: "
          "Megatron renormalises sigmoid top-k weights; use norm_topk_prob=True"),
-        (getattr(config, "router_expert_bias", False) and not sigmoid, "router_expert_bias=True with softmax scores: "
+        (config.router_expert_bias and not sigmoid, "router_expert_bias=True with softmax scores: "
          "Megatron's expert bias needs router_score_function='sigmoid'"),
         (groups > 1 and k // topk_groups != 2, f"num_expert_groups={groups} with num_experts_per_tok // "
          f"topk_expert_groups = {k // topk_groups}: Megatron scores a group by its top k / topk_groups experts, ours by "
          "its top 2"),
-        (getattr(config, "router_aux_loss_scope", "micro_batch") != "micro_batch", "router_aux_loss_scope="
-         f"{getattr(config, 'router_aux_loss_scope', None)!r}: Megatron's seq/global aux losses are computed otherwise "
+        (config.router_aux_loss_scope != "micro_batch", "router_aux_loss_scope="
+         f"{config.router_aux_loss_scope!r}: Megatron's seq/global aux losses are computed otherwise "
          "(its global one from a running sum within the step); use 'micro_batch'"),
     ):
         if has_moe and wrong:
