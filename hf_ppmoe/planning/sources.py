@@ -68,9 +68,10 @@ def _converted(config, upcycle: dict) -> GPTMoEConfig:
     if arch is None or arch.family != "gpt_moe":
         raise ValueError(f"model_type {model_type!r}: the planner plans decoder models (GPT-MoE); {supported()}.")
     try:
-        if arch.moe_class:  # an MoE checkpoint: hf-ppmoe import's config
+        if arch.moe:  # an MoE checkpoint: hf-ppmoe import's config
             if upcycle:
                 raise ValueError(f"{model_type} is already an MoE model; the upcycle options apply to a dense model.")
+            get_architecture(model_type, moe=True)  # refuses what ours cannot be read from (export-only targets)
             return GPTMoEConfig(**arch.fields(config, frozenset()))
         if upcycle:
             return upcycled_config(config, **upcycle)
