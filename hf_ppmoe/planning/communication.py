@@ -8,8 +8,7 @@ message the time is computed from (the reduced or gathered tensor, the rows one 
 Per layer, with tensor parallelism over tp ranks (T tokens of a micro-batch, H hidden, a bytes per element):
 - attention and dense FFN: one all-reduce [T, H] forward (the row-split output projection) and one backward (the
   input's gradient, "replicated_input"); Qwen3's per-head norms add [D] gradients.
-- MoE, PPMoE (experts over the tp ranks): the dense FFN's two, plus the routing weights' gradient [T, K] (float32)
-  backward.
+- MoE, PPMoE (experts over the tp ranks): the dense FFN's two, plus the routing weights' gradient [T, K] backward.
 - MoE, all-to-all (Transformers' AllToAllEP, experts over ep > tp ranks): forward, the per-expert counts [E] (int64),
   the T/tp x K routed rows out, the expert outputs back (as many rows as this rank's experts received: T/tp x K when
   routing is balanced, which is what is predicted), and with tp > 1 an all-gather of the [T/tp, H] outputs;
@@ -52,9 +51,9 @@ def _tp(T: int, H: int, a: int, phase: str, what: str) -> Collective:
 
 def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: str) -> list[Collective]:
     """The collectives of one layer's part `kind` ("attention", "dense_ffn", "moe") for a micro-batch of T tokens,
-    forward then backward (no recomputation). Under autocast the residual stream is float32 (`Run.stream_bytes`):
-    so are the gradients reduced into it and PPMoE's combined output; a row-split projection's output and the
-    experts' outputs sent back are 16-bit."""
+    forward then backward (no recomputation). Under autocast the residual stream is float32 (`Run.stream_bytes`), and
+    so are the gradients reduced into it; a row-split projection's and the experts' outputs are 16-bit (measured on
+    CPU autocast)."""
     c, a, tp = spec.config, run.stream_bytes, layout.tp
     H, K = c.hidden_size, c.num_experts_per_tok
     out: list[Collective] = []
@@ -77,13 +76,13 @@ def layer_collectives(spec: ModelSpec, layout: Layout, run: Run, T: int, kind: s
         return out
     if tp == 1:
         return out
-    # forward, a row-split projection's output (16-bit under autocast); PPMoE's combined experts' output and every
-    # backward gradient are in the stream's dtype (measured under CPU autocast)
-    out.append(_tp(T, H, a if kind == "moe" else run.act_bytes, "forward", kind))
+    # forward: a row-split projection's or the experts' output (16-bit under autocast); backward: gradients in the
+    # stream's dtype, the routing weights' too (cast to the tokens' dtype before they reach the experts)
+    out.append(_tp(T, H, run.act_bytes, "forward", kind))
     if kind == "moe" and c.shared_expert_intermediate_size:
         out.append(_tp(T, H, run.act_bytes, "forward", "shared expert"))
     if kind == "moe":  # in autograd's order: the routing weights' gradient, then the tokens'
-        out.append(Collective("all_reduce", "tp", T * K * 4, T * K * 4, "backward", "routing weights' gradient"))
+        out.append(Collective("all_reduce", "tp", T * K * a, T * K * a, "backward", "routing weights' gradient"))
         if c.shared_expert_intermediate_size:
             out.append(_tp(T, H, a, "backward", "shared expert"))
     out.append(_tp(T, H, a, "backward", kind))

@@ -34,6 +34,7 @@ CASES = [
     ("gpt2", {"fsdp": 2, "pp": 2}, 1, 64, 4),  # FSDP inside pipeline stages, the tied copies' gradients
     ("llama", {"fsdp": 4, "ep": 4}, 2, 64, 1),  # all-to-all, balanced routes replayed
     ("gqa-bf16", {"fsdp": 2, "tp": 2, "ep": 4}, 2, 64, 1),  # bf16, GQA, all-to-all within and across TP
+    ("gqa-bf16", {"tp": 2, "pp": 2}, 2, 32, 2),  # bf16 PPMoE: its all-reduces in 16 bits
     ("llama-autocast", {"fsdp": 2, "pp": 2}, 2, 32, 2),  # float32 weights, bf16 autocast: 16-bit weight copies
 ]
 
