@@ -86,7 +86,7 @@ def moe_bytes(spec: ModelSpec, layout: Layout, run: Run, T: int) -> int:
     E_l = E // layout.expert_group
     total = 8 * T * E + 8 * T * K + 4 * T + 4 * E
     if c.router_type != "switch":  # top-k selection kept its values and, renormalised, their sum
-        total += 4 * T * K + (4 * T if getattr(c, "norm_topk_prob", False) else 0)
+        total += 4 * T * K + (4 * T if c.norm_topk_prob else 0)
     if c.router_dtype == "float32" and a != 4:
         total += 4 * T * H  # the router's float32 copy of its input
     R = routed_rows(spec, layout, T)

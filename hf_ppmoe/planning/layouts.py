@@ -6,7 +6,7 @@ tp) with tp innermost (`hf_ppmoe.parallel.make_mesh`). Standard library only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # bitsandbytes NF4 (Dettmers et al. 2023): 4 bits per weight and one float32 absmax per block of 64 weights
@@ -17,10 +17,11 @@ NF4_BYTES = 0.5 + 4 / 64
 class Layout:
     """Sizes of each kind of parallelism. `ep`: the ranks every MoE layer's experts are split over (None: `tp`,
     PPMoE); ep = k x tp with k > 1 spreads them over k tensor-parallel groups that read different batches (all-to-
-    all). The last two fields model systems other than this project's, for comparisons with published runs:
-    `expert_tokens="duplicated"` (DeepSpeed-MoE before its PR 2074: every tensor-parallel rank sends the whole batch
-    through the all-to-all and its experts), `zero1` (DeepSpeed ZeRO stage 1: optimizer state sharded over the
-    data-parallel ranks, parameters and gradients whole)."""
+    all). The last three fields describe layouts hf_ppmoe.training does not build (`problem` refuses them), for
+    comparisons: `expert_tokens="duplicated"` (DeepSpeed-MoE before its PR 2074: every tensor-parallel rank sends the
+    whole batch through the all-to-all and its experts), `zero1` (DeepSpeed ZeRO stage 1: optimizer state sharded
+    over the data-parallel ranks, parameters and gradients whole), `ep_implementation="all_to_all"` with ep == tp
+    (Transformers' all-to-all expert parallelism over the tensor-parallel group)."""
 
     tp: int = 1
     pp: int = 1
@@ -29,8 +30,7 @@ class Layout:
     ep: int | None = None
     expert_tokens: str = "sliced"
     zero1: bool = False
-    ep_implementation: str | None = None  # "all_to_all" with ep == tp: Transformers' DistributedConfig(tp_size=N,
-    # ep_size=N, ep_implementation="all_to_all"), which hf_ppmoe.training does not build
+    ep_implementation: str | None = None
 
     @property
     def world(self) -> int:
@@ -131,7 +131,6 @@ class Run:
     experts_4bit: bool = False  # the experts' weights stored as bitsandbytes NF4 (frozen)
     reshard_after_forward: bool = True  # FSDP2: free each layer's gathered parameters after its forward
     overlap_data_parallel: bool = True  # data-parallel gradient and parameter traffic hidden behind compute
-    extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:

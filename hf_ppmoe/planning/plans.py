@@ -108,7 +108,7 @@ def plan_dict(result: Plan, model: str = "--model_name_or_path MODEL") -> dict:
                     "efficiency": result.cluster.gpu.efficiency, "hbm_bytes_per_s": result.cluster.gpu.hbm,
                     "nvlink_bytes_per_s": result.cluster.gpu.nvlink, "internode_bytes_per_s": result.cluster.internode,
                     "source": result.cluster.gpu.source},
-        "run": {k: v for k, v in vars(result.run).items() if k != "extra"},
+        "run": dict(vars(result.run)),
         "fitting": [e.to_dict() | {"command": e.command(model, result.cluster, result.run)} for e in result.fitting],
         "rejected": [{"layout": r.layout.name(), "flags": r.layout.flags(), "reason": r.reason} for r in result.rejected],
     }
