@@ -21,7 +21,7 @@ _NAMES = {
     "MERGE_METHODS": "choices", "ROUTER_INITS": "choices",
     "expert_usage": "merge", "merge_experts": "merge",
     "expert_output_scale": "upcycling", "experts_mapping": "upcycling", "gate_renormalizes": "upcycling",
-    "import_moe": "upcycling", "moe_ffns": "upcycling", "upcycle": "upcycling",
+    "import_moe": "upcycling", "moe_ffns": "upcycling", "upcycle": "upcycling", "upcycled_config": "upcycling",
 }
 
 __all__ = sorted(_NAMES)

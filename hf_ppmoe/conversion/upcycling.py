@@ -355,6 +355,57 @@ def _moe_config(arch: Architecture, fields: dict, overrides: dict, **extra):
         raise ConversionError(f"the {config_class.__name__} of the result refuses a setting: {err}") from err
 
 
+def upcycled_config(
+    dense_config,
+    names=frozenset(),
+    *,
+    num_experts: int = 8,
+    num_experts_per_tok: int | None = None,
+    router_type: str = "topk",
+    moe_layer_frequency: int = 2,
+    moe_layers: list[int] | None = None,
+    granularity: int = 1,
+    **config_overrides,
+):
+    """The config of the MoE model `upcycle` makes from a dense model with config `dense_config` (a Transformers
+    config of a supported architecture; `names`: its checkpoint's tensor names, where the architecture reads them)
+    and these options (`upcycle`'s), without reading any weight. ConversionError for settings it refuses."""
+    arch = get_architecture(getattr(dense_config, "model_type", None), moe=False)
+    num_experts_per_tok = default_experts_per_token(router_type, num_experts_per_tok)
+    fields = arch.fields(dense_config, names)
+    sliced = {}
+    if granularity > 1:
+        F = fields["intermediate_size"]
+        if F % granularity:
+            raise ConversionError(f"granularity={granularity} must divide the dense FFN's inner size "
+                                  f"intermediate_size={F}; choose a divisor of {F}.")
+        sliced = dict(moe_intermediate_size=F // granularity)
+    config = _moe_config(
+        arch,
+        fields,
+        config_overrides,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok * granularity,
+        router_type=router_type,
+        moe_layer_frequency=moe_layer_frequency,
+        moe_layers=moe_layers,
+        **sliced,
+    )
+    if granularity > 1 and (num_experts // config.num_expert_groups) % granularity:
+        raise ConversionError(
+            f"num_expert_groups={config.num_expert_groups}: each routing group of {num_experts // config.num_expert_groups} "
+            f"experts must hold whole copies of the FFN ({granularity} slices each, granularity={granularity}); use "
+            f"fewer groups."
+        )
+    if not moe_ffns(config):
+        raise ConversionError(
+            f"no FFN becomes an MoE layer: moe_layer_frequency={moe_layer_frequency} with {config.num_hidden_layers} "
+            "layers" + (" per stack" if arch.family == "seq2seq_moe" else "") + ". Use a smaller frequency or list the "
+            "layers (moe_layers; encoder_moe_layers / decoder_moe_layers for an encoder-decoder)."
+        )
+    return config
+
+
 def upcycle(
     dense,
     *,
@@ -418,38 +469,12 @@ def upcycle(
     if problem:
         raise ConversionError(problem)
     checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
-    fields = arch.fields(checkpoint.config, names)
-    sliced = {}
-    if granularity > 1:
-        F = fields["intermediate_size"]
-        if F % granularity:
-            raise ConversionError(f"granularity={granularity} must divide the dense FFN's inner size "
-                                  f"intermediate_size={F}; choose a divisor of {F}.")
-        sliced = dict(moe_intermediate_size=F // granularity)
-    config = _moe_config(
-        arch,
-        fields,
-        config_overrides,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok * granularity,
-        router_type=router_type,
-        moe_layer_frequency=moe_layer_frequency,
-        moe_layers=moe_layers,
-        **sliced,
+    config = upcycled_config(
+        checkpoint.config, names, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        router_type=router_type, moe_layer_frequency=moe_layer_frequency, moe_layers=moe_layers,
+        granularity=granularity, **config_overrides,
     )
-    if granularity > 1 and (num_experts // config.num_expert_groups) % granularity:
-        raise ConversionError(
-            f"num_expert_groups={config.num_expert_groups}: each routing group of {num_experts // config.num_expert_groups} "
-            f"experts must hold whole copies of the FFN ({granularity} slices each, granularity={granularity}); use "
-            f"fewer groups."
-        )
     ffns = moe_ffns(config)
-    if not ffns:
-        raise ConversionError(
-            f"no FFN becomes an MoE layer: moe_layer_frequency={moe_layer_frequency} with {config.num_hidden_layers} "
-            "layers" + (" per stack" if arch.family == "seq2seq_moe" else "") + ". Use a smaller frequency or list the "
-            "layers (moe_layers; encoder_moe_layers / decoder_moe_layers for an encoder-decoder)."
-        )
     _warn_if_inexact(config, router_init)
     # the combine weights of a token's copies sum to 1/g of all its routes' (a copy's g slices weigh alike)
     scale = granularity * expert_output_scale(config)
