@@ -31,6 +31,11 @@ def run(command: str, rest: list[str], description: str | None = None) -> int:
             print(f"hf-ppmoe serve: error: {err}", file=sys.stderr)
             return 2
         return 0
+    if command == "plan":
+        from .planning.command import PlanArguments, run_plan
+
+        return run_plan(parse_arguments(PlanArguments, rest, prog="hf-ppmoe plan", description=description,
+                                        positionals={"model": "MODEL"}))
     if command == "demo":
         from .demo.options import DemoArguments
 

@@ -22,6 +22,7 @@ COMMANDS = {
     "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
     "serve": "OpenAI-compatible server (Transformers' own, continuous batching) for a saved model: hf-ppmoe serve MODEL.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
+    "plan": "Per-GPU memory and step time of every layout of a model on a cluster, ranked: hf-ppmoe plan MODEL --gpus N.",
 }
 
 

@@ -169,30 +169,18 @@ def _stack_placement(args: UpcycleArguments) -> dict:
     return {k: v for k, v in placement.items() if v is not None}
 
 
+def _written(args) -> dict:
+    """Where and how every command writes its result."""
+    return dict(save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True)
+
+
 def run_upcycle(args: UpcycleArguments) -> Path:
     from .upcycling import upcycle
 
-    out = upcycle(
-        args.source,
-        num_experts=args.num_experts,
-        num_experts_per_tok=args.num_experts_per_tok,
-        router_type=args.router_type,
-        moe_layer_frequency=args.moe_layer_frequency,
-        moe_layers=args.moe_layers,
-        router_init=args.router_init,
-        sample_texts=_texts(args),
-        noise_std=args.noise_std,
-        reinit_ratio=args.reinit_ratio,
-        granularity=args.granularity,
-        seed=args.seed,
-        capacity_factor=args.capacity_factor,
-        norm_topk_prob=args.norm_topk_prob,
-        **_stack_placement(args),
-        save_directory=args.output,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        progress=True,
-    )
+    same = ("num_experts num_experts_per_tok router_type moe_layer_frequency moe_layers router_init noise_std "
+            "reinit_ratio granularity seed capacity_factor norm_topk_prob").split()  # upcycle's names for the flags
+    options = {name: getattr(args, name) for name in same}
+    out = upcycle(args.source, sample_texts=_texts(args), **options, **_stack_placement(args), **_written(args))
     if args.chat_template is not None:
         _write_chat_template(out, args.chat_template)
     return out
@@ -210,32 +198,19 @@ def _write_chat_template(folder: Path, template: str) -> None:
 def run_merge(args: MergeArguments) -> Path:
     from .merge import merge_experts
 
-    return merge_experts(
-        args.source,
-        method=args.method,
-        expert=args.expert,
-        sample_texts=_texts(args),
-        save_directory=args.output,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        progress=True,
-    )
+    return merge_experts(args.source, method=args.method, expert=args.expert, sample_texts=_texts(args), **_written(args))
 
 
 def run_import(args: ImportArguments) -> Path:
     from .upcycling import import_moe
 
-    return import_moe(
-        args.source, save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
-    )
+    return import_moe(args.source, **_written(args))
 
 
 def run_export(args: ExportArguments) -> Path:
     from .export import export_moe
 
-    return export_moe(
-        args.source, args.output, to=args.to, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
-    )
+    return export_moe(args.source, to=args.to, **_written(args))
 
 
 COMMANDS = {

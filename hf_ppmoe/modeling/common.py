@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..moe.experts import Experts
+from ..moe.experts import EXPERTS_IMPLEMENTATIONS, Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
 from ..moe.quantized import parameter_count
@@ -63,9 +63,16 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
     _auto_classes: dict[str, str] = {}
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Transformers' check of an `experts_implementation`, with ours ("index", "einsum") as known names and
-        "index" as the default (Transformers' default is "grouped_mm")."""
-        return super().get_correct_experts_implementation("index" if requested_experts is None else requested_experts)
+        """Transformers' check of an `experts_implementation`, which also takes ours ("index", "einsum": they run on
+        our `Experts` only, so Transformers' global registry does not list them) and makes "index" the default
+        (Transformers' default is "grouped_mm")."""
+        requested = "index" if requested_experts is None else requested_experts
+        if requested in EXPERTS_IMPLEMENTATIONS:
+            return requested
+        try:
+            return super().get_correct_experts_implementation(requested)
+        except ValueError as error:
+            raise ValueError(f"{error} Our models also take {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}.") from None
 
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters that take part in one token's forward pass, the number MoE models are compared by: all of them,

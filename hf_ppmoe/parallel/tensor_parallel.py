@@ -5,7 +5,7 @@ distributed_config=DistributedConfig(tp_size=N))` applies, on a group you choose
 pipeline stage, a model you changed): attention heads split (q/k/v colwise, o rowwise; T5's relative bias on the same
 heads), dense FFNs and shared experts colwise / rowwise, MoE layers PPMoE (expert_parallel.py), vocabulary split
 embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum",
-"head_sharded_bias" and "ppmoe_ffn" (an MoE layer's PPMoE dispatcher) are registered here; docs/parallel.md says
+"head_sharded_bias" and "ppmoe_ffn" (an MoE layer's replicated router) are registered here; docs/parallel.md says
 what each saves.
 """
 
@@ -21,11 +21,11 @@ from transformers.distributed.expert_parallel import apply_expert_parallelism
 from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
 
 from ..modeling.parallel_hooks import tied_head_kept
-from ..moe.layer import MoELayer, TokenDispatcher
+from ..moe.layer import MoELayer
 from ..utils.transformers_private import record_split, resolve_parallel_plans
 from .comm import sum_grad_over
-from .expert_parallel import ALL_TO_ALL, PPMoEDispatcher, share_router_generator, use_all_to_all_dispatchers
-from .modules import become, show_plan
+from .expert_parallel import ALL_TO_ALL, share_router_generator
+from .modules import TensorParallel, become, show_plan
 
 
 def _replicated(x, mesh):
@@ -48,15 +48,16 @@ class ReplicatedInputParallel(TensorParallelLayer):
 
 
 class PPMoEFFNParallel(ReplicatedInputParallel):
-    """Plan style "ppmoe_ffn" for the FFN slot: an MoE layer's dispatcher becomes a `PPMoEDispatcher`; a dense FFN
-    gets "replicated_input", so its colwise projections share one input-gradient all-reduce."""
+    """Plan style "ppmoe_ffn" for the FFN slot. An MoE layer keeps its forward, gate then experts: its router stays
+    replicated, drawing the same random numbers on every rank (`share_router_generator`), and its experts are split by
+    their own rule ("ppmoe_experts"). A dense FFN gets "replicated_input", so its colwise projections share one
+    input-gradient all-reduce."""
 
     def install_forward(self, module, mesh):
         if not isinstance(module, MoELayer):  # a dense FFN
             return super().install_forward(module, mesh)
-        seed = share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
-        module.dispatcher = become(TokenDispatcher(), PPMoEDispatcher, "ppmoe_ffn", mesh, router_seed=seed)
-        return module
+        share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
+        return become(module, TensorParallel, "ppmoe_ffn", mesh)
 
 
 class ReplicatedGradSumParallel(TensorParallelLayer):
@@ -160,7 +161,6 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
             show_plan(model, tp_plan, mesh)
         if ep_size != size:
             apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
-            use_all_to_all_dispatchers(model, ep)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
     record_split(model, config, mesh, size)
     return model

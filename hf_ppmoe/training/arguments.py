@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
@@ -25,7 +26,8 @@ class TrainArguments:
     num_experts_per_tok: int = field(default=2, metadata={"help": "Routes per token (upcycling / default model)."})
     router_type: str = field(default="topk", metadata={"help": "Gate for upcycling / the default model."})
     router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
-    expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
+    noise_std: float = field(default=0.0, metadata={"help": "Upcycling: std of the noise added to each expert copy (0: exact copies), as `hf-ppmoe upcycle --noise_std`."})
+    expert_noise_std: float | None = field(default=None, metadata={"help": "Deprecated name of --noise_std."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
     chat_template: str | None = field(default=None, metadata={"help": "Give the saved tokenizer a chat template (chat completions, `hf-ppmoe serve`): chatml, a .jinja file, or Jinja text."})
 
@@ -87,6 +89,10 @@ class TrainArguments:
     ep_size: int | None = field(default=None, metadata={"help": "Processes every MoE layer's experts are split over (default tp_size: PPMoE on the tensor-parallel group). A multiple k * tp_size, with k dividing fsdp_size, spreads them over k tensor-parallel groups that read different batches (Transformers' all-to-all)."})
 
     def __post_init__(self):
+        if self.expert_noise_std is not None:
+            warnings.warn("--expert_noise_std is deprecated; use --noise_std (the name upcycle and `hf-ppmoe upcycle` use).",
+                          FutureWarning, stacklevel=3)
+            self.noise_std, self.expert_noise_std = self.expert_noise_std, None
         if self.chat_template is not None:
             from ..utils.chat_template import chat_template_text
 

@@ -61,7 +61,7 @@ def build_model(args: TrainArguments, tokenizer):
             num_experts_per_tok=args.num_experts_per_tok,
             router_type=args.router_type,
             router_init=args.router_init,
-            noise_std=args.expert_noise_std,
+            noise_std=args.noise_std,
             seed=args.seed,
         )
     elif args.config_name:  # any causal-LM or seq2seq config.json (model_type decides the class), the tokenizer's ids

@@ -54,7 +54,7 @@ DATA_STATE = "data_state_"  # + process index + ".pt": the data position of each
 # model_config and data), evaluation, logging, checkpointing and output, and FSDP's memory-for-communication trade
 MAY_CHANGE_ON_RESUME = frozenset(
     """fsdp_reshard_after_forward model_name_or_path config_name upcycle_from num_experts num_experts_per_tok router_type router_init
-    expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
+    noise_std expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
     text_column data_cache_dir output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
     push_to_hub hub_model_id allow_resume_changes""".split()
 )
