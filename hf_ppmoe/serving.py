@@ -52,6 +52,7 @@ class ServeArguments:
     device: str = field(default="auto", metadata={"help": "Device: auto, cpu, cuda:0, ..."})
     dtype: str = field(default="auto", metadata={"help": "Weights' dtype: auto (as saved), bfloat16, float32, ..."})
     attn_implementation: str | None = field(default=None, metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2, ..."})
+    quantization: str | None = field(default=None, metadata={"help": "Quantize on load: bnb-4bit (NF4) or bnb-8bit, experts included (a folder saved quantized needs none)."})
     cb_num_blocks: int | None = field(default=None, metadata={"help": "Paged cache blocks (default: Transformers' sizing; on CPU 64)."})
     cb_page_size: int | None = field(default=None, metadata={"help": "Tokens per paged cache page (on CPU default 32)."})
     cb_max_batch_tokens: int | None = field(default=None, metadata={"help": "Tokens a batch holds (on CPU default 256)."})
@@ -61,6 +62,8 @@ class ServeArguments:
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port}: must be between 1 and 65535")
+        if self.quantization not in (None, "bnb-4bit", "bnb-8bit"):
+            raise ValueError(f"--quantization {self.quantization}: must be bnb-4bit or bnb-8bit")
 
 
 def expose_model_classes() -> None:
@@ -120,6 +123,7 @@ def build_app(args: ServeArguments):
         trust_remote_code=args.trust_remote_code,
         attn_implementation=args.attn_implementation,
         continuous_batching=batching,
+        quantization=args.quantization,
         force_model=args.model,
     )
     state = GenerationState(continuous_batching=batching, compile=False, cb_config=cache_config(args) if batching else None)

@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 from ..moe.experts import EXPERTS_IMPLEMENTATIONS, Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
+from ..moe.quantized import parameter_count
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import (
     WEIGHT_FILE,
@@ -31,6 +32,7 @@ from ..utils.integrity import (
 from ..utils.transformers_private import PrivateHooks
 from .hub_io import add_remote_code, check_moe_tensors_loaded, write_custom_generate
 from .parallel_hooks import ParallelHooks
+from .quantization import dequantize_model_experts, weight_loading_quantizer
 
 
 def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
@@ -80,8 +82,20 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
         for module in self.modules():
             if isinstance(module, MoELayer):
                 E, k = module.experts.num_experts, module.gate.top_k
-                inactive += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
+                inactive += parameter_count(module.experts) * (E - k) // E
         return self.num_parameters(exclude_embeddings=exclude_embeddings) - inactive
+
+    def weight_loading_quantizer(self, hf_quantizer):
+        """The quantizer the weights load with under `from_pretrained(..., quantization_config=...)`: Transformers'
+        bitsandbytes quantizer, which also stores every expert weight quantized (hf_ppmoe.modeling.quantization);
+        a config that would leave the experts in full precision is refused."""
+        return weight_loading_quantizer(self, hf_quantizer)
+
+    def dequantize(self, dtype: torch.dtype | None = None):
+        """Transformers' `dequantize` (quantized linear layers back to `nn.Linear`), the experts' quantized weights
+        back to plain parameters too (in `dtype`, by default the model's): e.g. to merge a QLoRA adapter."""
+        dequantize_model_experts(self, dtype or self.config.dtype)
+        return super().dequantize(dtype=dtype)
 
     @torch.no_grad()
     def _init_weights(self, module):

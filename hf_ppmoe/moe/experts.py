@@ -48,6 +48,7 @@ from transformers.utils import logging
 
 from ..utils.transformers_private import mark_expert_parallel
 from .kernels import aligned, autocast_dtype, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
+from .quantized import quantized_weight
 from .routing import capacity_in_mode, group_size_for, positions_in_expert
 
 logger = logging.get_logger(__name__)
@@ -367,13 +368,21 @@ def cpu_decode(experts, x, expert_ids, weights):
 
 
 def _one_expert(experts, x, e):
-    """Expert e on the rows x, straight from the stored (output-first) weights, cast to x's dtype where they differ."""
-    w_in, w_out = experts.in_proj[e], experts.down_proj[e]
+    """Expert e on the rows x, straight from the stored (output-first) weights, cast to x's dtype where they differ
+    (quantized weights: expert e alone dequantized, `hf_ppmoe.moe.quantized`)."""
+    in_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    w_in, w_out = _expert_matrix(experts, in_name, e), _expert_matrix(experts, "down_proj", e)
     b_in, b_out = (experts.in_proj_bias[e], experts.down_proj_bias[e]) if experts.has_bias else (None, None)
     if w_in.dtype != x.dtype:  # autocast: only the experts in use are cast
         w_in, w_out = w_in.to(x.dtype), w_out.to(x.dtype)
         b_in, b_out = (None, None) if b_in is None else (b_in.to(x.dtype), b_out.to(x.dtype))
     return F.linear(experts._activate(F.linear(x, w_in, b_in)), w_out, b_out)
+
+
+def _expert_matrix(experts, name: str, e: int) -> torch.Tensor:
+    """Expert e's [O, I] matrix of the stacked weight `name`; from quantized storage, that expert alone dequantized."""
+    storage = quantized_weight(experts, name)
+    return getattr(experts, name)[e] if storage is None else storage.dequantize_expert(e)
 
 
 def _parameters(experts: Experts, dtype: torch.dtype):
