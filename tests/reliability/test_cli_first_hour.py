@@ -49,17 +49,20 @@ def test_help_and_version_import_nothing_heavy_and_help_goes_to_stdout():
     assert scripts["hf-ppmoe"] == "hf_ppmoe_cli:main"
 
 
-def test_an_unknown_command_is_an_error_line(capsys):
+def test_an_unknown_command_is_an_error_line_with_the_closest_command(capsys):
     assert main(["upcylce"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "hf-ppmoe: error: unknown command 'upcylce'"
+    assert capsys.readouterr().err.splitlines() == ["usage: hf-ppmoe COMMAND [--help] | hf-ppmoe --version",
+                                                    "hf-ppmoe: error: unknown command 'upcylce'; did you mean 'hf-ppmoe upcycle'?"]
+    assert main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("hf-ppmoe: error: unknown command 'frobnicate'; the commands: demo,")
 
 
 def test_upcycle_settings_are_refused_before_the_source_is_read(tmp_path, capsys):
     missing = str(tmp_path / "no-such-source")  # read first, it would be the error
     out = tmp_path / "out"
     line = _refusal(capsys, ["upcycle", missing, str(out), "--num_experts", "2", "--num_experts_per_tok", "3"])
-    assert "num_experts_per_tok=3 must be between 1 and num_experts=2" in line
-    assert "Unknown router_type 'foo'" in _refusal(capsys, ["upcycle", missing, str(out), "--router_type", "foo"])
+    assert "--num_experts_per_tok 3 is more than --num_experts 2" in line
+    assert "--router_type foo: no such gate" in _refusal(capsys, ["upcycle", missing, str(out), "--router_type", "foo"])
     line = _refusal(capsys, ["upcycle", missing, str(out), "--max_shard_size", "LOTS"])
     assert "max_shard_size 'LOTS': give a size such as 5GB" in line
     out.mkdir()
