@@ -56,8 +56,8 @@ class UpcycleArguments(_Output, _Paths):
         f"Router initialization: {', '.join(ROUTER_INITS)}. auto: random for topk and gshard (exact, and the experts "
         "grow apart in training), zeros for switch, prototype and topk without renormalisation (only a uniform router keeps "
         "those exact; its ties route every token to the first experts)."), "choices": list(ROUTER_INITS)})
-    sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
-    sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
+    sample_texts: list[str] | None = field(default=None, metadata=_help("--router_init hidden: one text per expert."))
+    sample_file: str | None = field(default=None, metadata={**_help("--router_init hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
     reinit_ratio: float = field(default=0.0, metadata=_help("Drop-Upcycling: share of each expert's FFN dimensions re-initialised (0: exact copies)."))
     granularity: int = field(default=1, metadata=_help(
@@ -104,9 +104,9 @@ class MergeArguments(_Output, _Paths):
     PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
     method: str = field(default="mean", metadata={**_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."),
                                                   "choices": list(MERGE_METHODS)})
-    expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
-    sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
-    sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line.")})
+    expert: int = field(default=0, metadata=_help("--method expert: the expert to keep."))
+    sample_texts: list[str] | None = field(default=None, metadata=_help("--method usage: texts to measure router usage on."))
+    sample_file: str | None = field(default=None, metadata={**_help("--method usage: a file of texts, one per line.")})
 
     def __post_init__(self):
         super().__post_init__()
