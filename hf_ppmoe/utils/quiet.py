@@ -9,6 +9,11 @@ other libraries in its user's process). Standard library only.
   the job with DeepSpeed (`accelerate launch --use_deepspeed` sets ACCELERATE_USE_DEEPSPEED), where the accelerator
   DeepSpeed picks matters.
 
+`dropped(logger, start)` drops one notice for a block: torch's "While redistributing from (_StridedShard(...),
+Shard(...)) to (Replicate(), Replicate()), 2 sequential all_gather operations will be performed. This is suboptimal
+..." when a model split by FSDP and tensor parallelism is gathered once, for saving (training/parallel_setup.py); a
+hint for collectives that repeat every step.
+
 Accelerate's "Removed shared tensor {...} while saving" is avoided at its cause instead (training/checkpoints.py:
 `drop_tied_copies`).
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU."
 
@@ -41,4 +47,15 @@ def quiet_notices() -> None:
             logger.addFilter(DropNotice(DEEPSPEED_CPU_NOTICE))
 
 
-__all__ = ["DropNotice", "quiet_notices"]
+@contextmanager
+def dropped(logger: str, start: str):
+    """Drop the records of `logger` whose message starts with `start`, for the block."""
+    notice = DropNotice(start)
+    logging.getLogger(logger).addFilter(notice)
+    try:
+        yield
+    finally:
+        logging.getLogger(logger).removeFilter(notice)
+
+
+__all__ = ["DropNotice", "dropped", "quiet_notices"]
