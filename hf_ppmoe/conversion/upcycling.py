@@ -12,7 +12,10 @@ when the combine weights of every token sum to one. With a zero router (`router_
 probabilities 1/E and its sum is a constant c (switch: 1/E; topk without renormalisation: K/E; prototype: K * K/E;
 topk with renormalisation and gshard: 1); the down-projections are scaled by 1/c, so every built-in gate is exact.
 A random or hidden-state router is exact only for gates that renormalise their weights (topk with
-norm_topk_prob=True, gshard); for the others `upcycle` warns. Exactness also needs dropless evaluation
+norm_topk_prob=True, gshard); for the others `upcycle` warns. The default, `router_init="auto"`, takes a random router
+where it is exact, and zeros elsewhere (`resolve_router_init`): identical experts that the router cannot tell apart
+stay identical in training (a zero router ties every expert, so the first ones take every token), so a random router
+is the one that trains. Exactness also needs dropless evaluation
 (eval_capacity_factor=None, the default; capacity_factor only applies in training) and no noise. GShard's random
 routing only happens in training.
 
@@ -207,6 +210,16 @@ def gate_renormalizes(config) -> bool:
     return bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-5))
 
 
+def resolve_router_init(router_init: str, config, granularity: int = 1) -> str:
+    """`router_init="auto"` -> "random" where the gate's combine weights sum to one for any router (topk with
+    norm_topk_prob=True, gshard; and fine-grained upcycling, which a zero router cannot do), else "zeros": for switch,
+    prototype and topk without renormalisation only a uniform router keeps the logits exact (its ties leave copies
+    alike; benchmarks/router_init.py). Any other value is returned as it is."""
+    if router_init != "auto":
+        return router_init
+    return "random" if granularity > 1 or gate_renormalizes(config) else "zeros"
+
+
 def _warn_if_inexact(config, router_init: str) -> None:
     if config.eval_capacity_factor is not None:
         warnings.warn(
@@ -220,7 +233,8 @@ def _warn_if_inexact(config, router_init: str) -> None:
             + (" and norm_topk_prob=False" if config.router_type == "topk" else "")
             + ": this gate's combine weights do not sum to one for a non-uniform router, so the upcycled model's logits "
             "will differ from the dense model's until it is fine-tuned. Exact: router_init='zeros' with any gate, or "
-            "'random'/'hidden' with router_type='topk' (norm_topk_prob=True) or 'gshard'.",
+            "'random'/'hidden' with router_type='topk' (norm_topk_prob=True) or 'gshard' (router_init='auto', the "
+            "default, takes the exact one).",
             stacklevel=3,
         )
 
@@ -414,7 +428,7 @@ def upcycle(
     router_type: str = MoEConfig.router_type,
     moe_layer_frequency: int = MoEConfig.moe_layer_frequency,
     moe_layers: list[int] | None = None,
-    router_init: str = "zeros",
+    router_init: str = "auto",
     sample_texts=None,
     tokenizer=None,
     noise_std: float = 0.0,
@@ -436,8 +450,9 @@ def upcycle(
     moe_layer_frequency / moe_layers: every n-th FFN becomes MoE (layers n-1, 2n-1, ...), or the listed ones. For T5
         the frequency applies to each stack; choose per stack with the Seq2SeqMoEConfig fields encoder_moe_layers /
         decoder_moe_layers (lists, [] for none) or encoder_moe_layer_frequency / decoder_moe_layer_frequency.
-    router_init: "zeros" (uniform routing; exact for every gate), "random" (normal, std initializer_range), or
-        "hidden" (mergekit's mode: one row per expert from the FFN inputs of `sample_texts[e]`, a text or a list of
+    router_init: "auto" (the default: "random" for a gate whose weights sum to one, topk with norm_topk_prob=True
+        and gshard, else "zeros"), "zeros" (uniform routing; exact for every gate, but the tied experts are chosen
+        alike), "random" (normal, std initializer_range), or "hidden" (mergekit's mode: one row per expert from the FFN inputs of `sample_texts[e]`, a text or a list of
         texts per expert, tokenized with `tokenizer` or the source folder's tokenizer; a T5 reads each text in its
         encoder and, as its target, in its decoder).
     noise_std: N(0, noise_std^2) noise added to each expert's weights to break their symmetry (`seed` draws it).
@@ -475,6 +490,7 @@ def upcycle(
         granularity=granularity, **config_overrides,
     )
     ffns = moe_ffns(config)
+    router_init = resolve_router_init(router_init, config, granularity)
     _warn_if_inexact(config, router_init)
     # the combine weights of a token's copies sum to 1/g of all its routes' (a copy's g slices weigh alike)
     scale = granularity * expert_output_scale(config)
@@ -569,6 +585,7 @@ __all__ = [
     "import_moe",
     "moe_config_loader",
     "moe_ffns",
+    "resolve_router_init",
     "run_on_text",
     "sample_ids",
     "upcycle",

@@ -74,6 +74,13 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
         except ValueError as error:
             raise ValueError(f"{error} Our models also take {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}.") from None
 
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Transformers' former name of `is_activation_checkpointing` (deprecated in 5.x), which PEFT still reads when
+        it wraps a model (`get_peft_model`, `PeftModel.from_pretrained`): the same answer, without the FutureWarning
+        addressed to PEFT's code that it printed to our users."""
+        return self.is_activation_checkpointing
+
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters that take part in one token's forward pass, the number MoE models are compared by: all of them,
         less the routed experts a token does not reach (each MoE layer runs k of its E experts; a shared expert and the

@@ -253,7 +253,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
     """`GPTMoEModel` with an LM head (tied to the embeddings if `tie_word_embeddings`); generates with every
     Transformers decoding mode, also `output_router_logits=True` (hf_ppmoe.generation.router_stats)."""
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _tp_plan = {"lm_head": "colwise_gathered"}  # hf_ppmoe.parallel: gathered logits, not a view
     _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}
 
     def __init__(self, config: GPTMoEConfig):

@@ -497,7 +497,7 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel", "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _tp_plan = {"lm_head": "colwise_gathered"}  # hf_ppmoe.parallel: gathered logits, not a view
 
     def __init__(self, config: Seq2SeqMoEConfig):
         super().__init__(config)

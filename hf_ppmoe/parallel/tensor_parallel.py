@@ -5,8 +5,8 @@ distributed_config=DistributedConfig(tp_size=N))` applies, on a group you choose
 pipeline stage, a model you changed): attention heads split (q/k/v colwise, o rowwise; T5's relative bias on the same
 heads), dense FFNs and shared experts colwise / rowwise, MoE layers PPMoE (expert_parallel.py), vocabulary split
 embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum",
-"head_sharded_bias" and "ppmoe_ffn" (an MoE layer's replicated router) are registered here; docs/parallel.md says
-what each saves.
+"head_sharded_bias", "colwise_gathered" (the head) and "ppmoe_ffn" (an MoE layer's replicated router) are registered
+here; docs/parallel.md says what each saves.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import DistributedConfig
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.expert_parallel import apply_expert_parallelism
-from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
+from transformers.distributed.tensor_parallel import (ColwiseParallel, EmbeddingParallel, TensorParallelLayer,
+                                                      apply_tensor_parallelism)
 
 from ..modeling.parallel_hooks import tied_head_kept
 from ..moe.layer import MoELayer
@@ -91,7 +92,38 @@ class HeadShardedBiasParallel(EmbeddingParallel):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
+class _LocalTensorOf(torch.autograd.Function):
+    """A replicated DTensor -> its local tensor's memory as a tensor of its own (no copy). `DTensor.to_local()`
+    returns a view (`view_as`), and so, for some shapes, does the all-gather behind it (torch's chunk-cat of the
+    gathered buffer); FSDP2 warns on every step that the model returned a view (an in-place op on one would skip
+    FSDP's pre-backward hook). The memory is the head's gathered output, which nothing else holds."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = x.device_mesh, x.placements, x.shape, x.stride()
+        local = x.to_local()
+        own = torch.empty(0, dtype=local.dtype, device=local.device)
+        return own.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride)
+
+
+class ColwiseGatheredParallel(ColwiseParallel):
+    """Plan style "colwise_gathered", the LM head's: Transformers' "colwise_gather_output" (the vocabulary split, the
+    logits gathered whole on every rank) whose logits are a tensor of their own, not a view (`_LocalTensorOf`)."""
+
+    def __init__(self):
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False)
+
+    def transform_output_post_forward(self, module, output, mesh):
+        output = super().transform_output_post_forward(module, output, mesh)
+        return _LocalTensorOf.apply(output) if isinstance(output, DTensor) else output
+
+
 ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
+ALL_PARALLEL_STYLES.register("colwise_gathered", ColwiseGatheredParallel())
 ALL_PARALLEL_STYLES.register("head_sharded_bias", HeadShardedBiasParallel())
 ALL_PARALLEL_STYLES.register("replicated_grad_sum", ReplicatedGradSumParallel())
 ALL_PARALLEL_STYLES.register("ppmoe_ffn", PPMoEFFNParallel())

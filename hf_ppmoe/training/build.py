@@ -31,7 +31,7 @@ def load_tokenizer(args: TrainArguments, texts=None):
                 raise
     if texts is not None:
         return train_tokenizer(texts)
-    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+    train = Source.of(args)
 
     def documents():
         characters = 0
