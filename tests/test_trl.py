@@ -22,6 +22,16 @@ TEXTS = [f"the {a} sat on the {b} mat" for a in ("cat", "dog", "owl", "fox") for
 COEF = 0.5
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """TRL's configs train in bfloat16 by default (mixed_precision="bf16" in Accelerate's process-wide state): reset it
+    after each test, so that a later test's Accelerator(mixed_precision="no") in this process is not refused."""
+    yield
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
     """A tiny GPT-MoE (sizes in whole 64-value blocks: bitsandbytes' CPU kernels) and its tokenizer, saved."""

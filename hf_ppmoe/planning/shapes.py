@@ -23,7 +23,7 @@ _LAYER = re.compile(r"\.(\d+)(?=\.|$)")
 _SPLITS = {
     "colwise": {"weight": 0, "bias": 0},
     "rowwise": {"weight": 1},
-    "colwise_gather_output": {"weight": 0, "bias": 0},
+    "colwise_gathered": {"weight": 0, "bias": 0},  # the LM head (hf_ppmoe.parallel.tensor_parallel)
     "embedding_rowwise": {"weight": 0},
     "grouped_gemm": {"": 0},  # the experts' stacked [E, ...] weights and biases: whole experts over the group
 }

@@ -51,7 +51,7 @@ def stage_params(spec: ModelSpec, layout: Layout, stage: int) -> list[Param]:
             held.append(p)
     if last and spec.tied and not first:  # the head's copy of the tied embedding
         embedding = next(p for p in spec.params if p.name == "model.embed_tokens.weight")
-        held.append(Param("lm_head.weight", embedding.shape, 0, "colwise_gather_output", None, False))
+        held.append(Param("lm_head.weight", embedding.shape, 0, "colwise_gathered", None, False))
     return held
 
 
