@@ -46,14 +46,17 @@ VARIANTS = (
 )
 
 
-def build(args, implementation, experts):
-    torch.manual_seed(0)
-    config = GPTMoEConfig(
+def build_config(args, experts) -> GPTMoEConfig:
+    return GPTMoEConfig(
         vocab_size=1024, hidden_size=args.hidden, intermediate_size=args.inner, num_hidden_layers=args.layers,
         num_attention_heads=8, num_experts=args.experts, num_experts_per_tok=args.topk, moe_layer_frequency=1,
         experts_implementation=experts,
     )
-    model = GPTMoEForCausalLM(config).train()
+
+
+def build(args, implementation, experts):
+    torch.manual_seed(0)
+    model = GPTMoEForCausalLM(build_config(args, experts)).train()
     distributed = DistributedConfig(tp_size=2, ep_size=2, ep_implementation=implementation)
     distributed, _, meshes = GPTMoEForCausalLM.prepare_distribute_model(distributed)
     return GPTMoEForCausalLM.maybe_distribute_model(model, distributed, meshes)
@@ -68,16 +71,41 @@ def step(model, ids) -> float:
     return time.perf_counter() - start
 
 
-def layer_bytes(model, args) -> tuple[int, int, list[str]]:
-    """Bytes this rank sends into collectives in one MoE layer's forward and backward, and the ops."""
+def balanced_routes(args) -> torch.Tensor:
+    """Router replay ids giving every expert as many routes from every slice of the tokens: token t's k-th route to
+    expert (t k + k) mod E (so the all-to-all's rows do not depend on the router's draws)."""
+    return (torch.arange(args.tokens * args.topk) % args.experts).view(args.tokens, args.topk)
+
+
+def layer_collectives(model, args, routes=None) -> list[tuple[str, str, int]]:
+    """(phase, op, bytes) of every collective one MoE layer issues in its forward and backward on this rank (routes:
+    router replay ids, or the router's own)."""
     x = torch.randn(args.tokens, args.hidden, requires_grad=True)
     with count_collectives() as comm:
-        out, _ = model.model.layers[0].mlp(x)
+        out, _ = model.model.layers[0].mlp(x, expert_ids=routes)
         comm.mark("backward")
         out.square().sum().backward()
     split = comm.marks["backward"]
-    ops = [f"{c.op}{list(c.shape)}" for c in comm.calls]
-    return sum(c.bytes for c in comm.calls[:split]), sum(c.bytes for c in comm.calls[split:]), ops
+    return [("forward" if i < split else "backward", c.op, c.bytes) for i, c in enumerate(comm.calls)]
+
+
+def planned_collectives(args, variant) -> list[tuple[str, str, int]]:
+    """hf_ppmoe.planning's prediction of `layer_collectives` for the variant's layout on these 2 ranks."""
+    from hf_ppmoe.planning import Layout, Run
+    from hf_ppmoe.planning.communication import layer_collectives as planned
+    from hf_ppmoe.planning.shapes import model_spec
+
+    implementation = variant[0]
+    layout = Layout(tp=2, ep=2, ep_implementation="all_to_all") if implementation == "all_to_all" else Layout(tp=2)
+    spec = model_spec(build_config(args, variant[1]))
+    return [(x.phase, x.op, x.bytes) for x in planned(spec, layout, Run(dtype="float32"), args.tokens, "moe")]
+
+
+def layer_bytes(model, args, routes=None) -> tuple[int, int, list[str]]:
+    """Bytes this rank sends into collectives in one MoE layer's forward and backward, and the ops."""
+    calls = layer_collectives(model, args, routes)
+    ops = [f"{op}[{size:,} B]" for _, op, size in calls]
+    return sum(b for p, _, b in calls if p == "forward"), sum(b for p, _, b in calls if p == "backward"), ops
 
 
 def main():
@@ -102,6 +130,9 @@ def main():
         for name in VARIANTS[r % len(VARIANTS) :] + VARIANTS[: r % len(VARIANTS)]:  # rotate which goes first
             times[name].append(step(models[name], ids))
     traffic = {name: layer_bytes(model, args) for name, model in models.items()}
+    routes = balanced_routes(args)
+    checked = {name: (layer_collectives(model, args, routes), planned_collectives(args, name))
+               for name, model in models.items() if name[1] == "index"}
     if dist.get_rank() != 0:
         return
     T, H, E, element = args.tokens, args.hidden, args.experts, 4
@@ -124,6 +155,14 @@ def main():
             print(f"| {name[0]} | {fwd:,} | {bwd:,} | {', '.join(ops)} |")
     print(f"| Eq. (2), data-parallel MoE all-to-all (E={E}) | {2 * paper_a2a:,} | {2 * paper_a2a:,} | 2 x all_to_all each way |")
     print(f"\nT x H x 4 bytes = {T * H * element:,}; router gradient E x H x 4 = {E * H * element:,}")
+    print("\nWith balanced routes replayed (token t's k-th route to expert (tK + k) mod E), each collective as counted "
+          "and as hf_ppmoe.planning predicts it (layer_collectives):\n")
+    print("| EP implementation | collective | counted bytes | predicted bytes |")
+    print("|---|---|---|---|")
+    for name, (counted, planned) in checked.items():
+        for (phase, op, size), (_, _, predicted) in zip(counted, planned):
+            print(f"| {name[0]} | {phase} {op} | {size:,} | {predicted:,} |")
+        print(f"| {name[0]} | all {len(counted)} | {'equal' if counted == planned else 'DIFFERENT'} | |")
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     lines, results = table(args.experts, args.topk, T=args.tokens)
     if args.ops:
-        for (E, k, mode, name), c in results.items():
+        for (E, k, mode, name), c in ((key, c) for key, c in results.items() if len(key) == 4):
             lines.append(f"\nE={E} k={k} {mode} {name}: " + ", ".join(f"{op} x{n}" for op, n in sorted(c.ops.items())))
     print("\n".join(lines))
     if args.out:

@@ -24,8 +24,9 @@ _PUBLIC = {  # name -> submodule that defines it
     "Seq2SeqMoEConfig": "modeling",
     "Seq2SeqMoEForConditionalGeneration": "modeling",
     "Seq2SeqMoEModel": "modeling",
+    "plan": "planning",
 }
-_SUBMODULES = ("cli", "conversion", "generation", "modeling", "moe", "parallel", "peft", "training", "utils")
+_SUBMODULES = ("cli", "conversion", "generation", "modeling", "moe", "parallel", "peft", "planning", "training", "utils")
 # model_type -> (config class, {Auto class: model class}); tests/test_lazy_import.py checks them against the classes
 _MODELS = {
     "gpt_moe": ("GPTMoEConfig", {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}),
@@ -39,7 +40,7 @@ __all__ = list(_PUBLIC)
 def __getattr__(name: str):
     if name in _PUBLIC:
         module = importlib.import_module(f".{_PUBLIC[name]}", __name__)
-        if not name.endswith("Config"):
+        if _PUBLIC[name] == "modeling" and not name.endswith("Config"):
             _register_plan_styles()
         value = getattr(module, name)
         globals()[name] = value

@@ -7,8 +7,12 @@ What this module adds to `transformers serve`, and nothing else:
 - our classes where its model manager looks them up: it loads `getattr(transformers, config.architectures[0])`, so
   `expose_model_classes` puts GPTMoEForCausalLM and Seq2SeqMoEForConditionalGeneration on the `transformers` module
   (`hf_ppmoe.utils.transformers_private.expose_on_transformers`);
+- a MODEL that names nothing to load is one line, at once (`model_problem`), where Transformers' loader retries an
+  unreachable Hub for a minute and ends in a traceback;
 - a chat request to a model whose tokenizer has no chat template answers HTTP 400 naming the fix, where Transformers'
   handler fails inside `apply_chat_template` with a 500 (`chat_completions_handler`);
+- refusals in OpenAI's error body, `{"error": {"message", "type", "param", "code"}}`, whose message OpenAI's clients
+  show (`openai_error`; FastAPI's `{"detail": ...}` reaches them as "Error code: 400" alone);
 - continuous batching on by default, with a paged cache sized for the device (`cache_config`);
 - a clear refusal for an encoder-decoder (Seq2Seq-MoE), which Transformers' server does not handle
   (`SEQ2SEQ_NOT_SERVED`).
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .utils.chat_template import CHAT_TEMPLATES, write_chat_template
 
@@ -52,6 +57,7 @@ class ServeArguments:
     device: str = field(default="auto", metadata={"help": "Device: auto, cpu, cuda:0, ..."})
     dtype: str = field(default="auto", metadata={"help": "Weights' dtype: auto (as saved), bfloat16, float32, ..."})
     attn_implementation: str | None = field(default=None, metadata={"help": "Attention kernel: sdpa, eager, flash_attention_2, ..."})
+    quantization: str | None = field(default=None, metadata={"help": "Quantize on load: bnb-4bit (NF4) or bnb-8bit, experts included (a folder saved quantized needs none)."})
     cb_num_blocks: int | None = field(default=None, metadata={"help": "Paged cache blocks (default: Transformers' sizing; on CPU 64)."})
     cb_page_size: int | None = field(default=None, metadata={"help": "Tokens per paged cache page (on CPU default 32)."})
     cb_max_batch_tokens: int | None = field(default=None, metadata={"help": "Tokens a batch holds (on CPU default 256)."})
@@ -61,6 +67,8 @@ class ServeArguments:
     def __post_init__(self):
         if not 0 < self.port < 65536:
             raise ValueError(f"--port {self.port}: must be between 1 and 65535")
+        if self.quantization not in (None, "bnb-4bit", "bnb-8bit"):
+            raise ValueError(f"--quantization {self.quantization}: must be bnb-4bit or bnb-8bit")
 
 
 def expose_model_classes() -> None:
@@ -71,6 +79,34 @@ def expose_model_classes() -> None:
     from .utils.transformers_private import expose_on_transformers
 
     expose_on_transformers(hf_ppmoe.GPTMoEForCausalLM, hf_ppmoe.Seq2SeqMoEForConditionalGeneration)
+
+
+def model_problem(model: str) -> str | None:
+    """Why MODEL names no model to load, in one line, or None: a local folder, else a Hub repository (`repo` or
+    `repo@revision`) in the local cache or on the Hub, asked once without retries."""
+    from .utils.paths import path_problem
+
+    repo, _, revision = model.split(":", 1)[0].partition("@")  # Transformers' `repo@revision` and `repo:file.gguf`
+    if Path(repo).is_dir():
+        return None
+    if problem := path_problem(repo, "model", "MODEL"):  # a path that can only be local, or no repository id
+        return problem
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
+
+    if isinstance(try_to_load_from_cache(repo, "config.json", revision=revision or None), str):
+        return None
+    missing = f"MODEL {model}: no such folder"
+    if constants.HF_HUB_OFFLINE:
+        return f"{missing}, and no model of that name in the local Hub cache (HF_HUB_OFFLINE is set)."
+    try:
+        HfApi().model_info(repo, revision=revision or None, timeout=10)
+    except (RepositoryNotFoundError, RevisionNotFoundError):
+        return f"{missing}, and no model of that name on the Hub (a private one: log in with `hf auth login`)."
+    except Exception as error:  # no network, a refused token, a time-out: the loader would fail on it too
+        reason = " ".join(f"{type(error).__name__}: {error}".split())
+        return f"{missing}, and the Hub cannot be reached to look for one ({reason})."
+    return None
 
 
 def is_decoder_only(model: str) -> bool:
@@ -120,10 +156,11 @@ def build_app(args: ServeArguments):
         trust_remote_code=args.trust_remote_code,
         attn_implementation=args.attn_implementation,
         continuous_batching=batching,
+        quantization=args.quantization,
         force_model=args.model,
     )
     state = GenerationState(continuous_batching=batching, compile=False, cb_config=cache_config(args) if batching else None)
-    return build_server(
+    app = build_server(
         manager,
         chat_completions_handler()(manager, state),
         completion_handler=CompletionHandler(manager, state),
@@ -132,6 +169,24 @@ def build_app(args: ServeArguments):
         systemone_handler=SystemOneHandler(manager, state),
         generation_state=state,
     )
+    from fastapi.exceptions import RequestValidationError
+    from starlette.exceptions import HTTPException
+
+    app.add_exception_handler(HTTPException, openai_error)
+    app.add_exception_handler(RequestValidationError, openai_error)
+    return app
+
+
+async def openai_error(request, error):
+    """An HTTP error (ours, Transformers' handlers', a malformed body) in OpenAI's error body."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    status = 422 if isinstance(error, RequestValidationError) else error.status_code
+    message = str(error.errors()) if isinstance(error, RequestValidationError) else str(error.detail)
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+    return JSONResponse(body, status_code=status, headers=getattr(error, "headers", None))
 
 
 @functools.cache
@@ -155,6 +210,8 @@ def chat_completions_handler() -> type:
 
 def serve(args: ServeArguments) -> None:
     """Run the server until interrupted (Ctrl-C, SIGTERM). ValueError: refused before listening."""
+    if problem := model_problem(args.model):
+        raise ValueError(problem)
     from transformers.utils.import_utils import is_serve_available
 
     if not is_serve_available():
@@ -167,4 +224,5 @@ def serve(args: ServeArguments) -> None:
     uvicorn.run(build_app(args), host=args.host, port=args.port, log_level=args.log_level.lower())
 
 
-__all__ = ["CHAT_TEMPLATES", "ServeArguments", "build_app", "expose_model_classes", "serve", "write_chat_template"]
+__all__ = ["CHAT_TEMPLATES", "ServeArguments", "build_app", "expose_model_classes", "model_problem", "openai_error", "serve",
+           "write_chat_template"]

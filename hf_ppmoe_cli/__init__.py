@@ -3,7 +3,8 @@
 `hf-ppmoe megatron to-megatron|to-hf ...`, `hf-ppmoe serve MODEL`, `hf-ppmoe --version`; `hf-ppmoe COMMAND --help` for each.
 
 Exit codes: 0 done; 2 bad flags or a refusal (one `hf-ppmoe COMMAND: error: ...` line, checked before any work,
-nothing written); 1 a failure while running (a full disk, a diverged training run).
+nothing written; a mistyped command names the closest one); 1 a failure while running (a full disk, a diverged
+training run).
 
 This launcher lies outside the `hf_ppmoe` package because importing that package imports torch and Transformers and
 registers our models with the Auto classes (seconds): the command list, `--help` and `--version` are answered here
@@ -11,6 +12,7 @@ with the standard library alone, and a command imports what it needs (`hf_ppmoe.
 
 from __future__ import annotations
 
+import difflib
 import sys
 
 COMMANDS = {
@@ -22,6 +24,7 @@ COMMANDS = {
     "export": "Export to Transformers' own MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE, GLM-4-MoE, Switch): hf-ppmoe export SRC OUT --to NAME.",
     "serve": "OpenAI-compatible server (Transformers' own, continuous batching) for a saved model: hf-ppmoe serve MODEL.",
     "megatron": "GPT-MoE <-> Megatron-LM checkpoints: hf-ppmoe megatron to-megatron|to-hf ... (--help).",
+    "plan": "Per-GPU memory and step time of every layout of a model on a cluster, ranked: hf-ppmoe plan MODEL --gpus N.",
 }
 
 
@@ -33,14 +36,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hf-ppmoe {version('hf-ppmoe')}")
         return 0
     if not argv or argv[0] not in COMMANDS:
-        asked = bool(argv) and argv[0] in ("-h", "--help")
+        usage = "usage: hf-ppmoe COMMAND [--help] | hf-ppmoe --version"
         listing = "\n".join(f"  {name:<8} {help}" for name, help in COMMANDS.items())
-        usage = f"usage: hf-ppmoe COMMAND [--help] | hf-ppmoe --version\n\ncommands:\n{listing}"
-        if asked:
-            print(usage)
+        if argv and argv[0] in ("-h", "--help"):
+            print(f"{usage}\n\ncommands:\n{listing}")
             return 0
-        problem = f"unknown command {argv[0]!r}" if argv else "no command given"
-        print(f"{usage}\nhf-ppmoe: error: {problem}", file=sys.stderr)
+        if not argv:
+            print(f"{usage}\n\ncommands:\n{listing}\nhf-ppmoe: error: no command given", file=sys.stderr)
+            return 2
+        close = difflib.get_close_matches(argv[0], COMMANDS, n=1)
+        hint = f"did you mean 'hf-ppmoe {close[0]}'?" if close else f"the commands: {', '.join(COMMANDS)}."
+        print(f"{usage}\nhf-ppmoe: error: unknown command {argv[0]!r}; {hint}", file=sys.stderr)
         return 2
     from hf_ppmoe.cli import run
 

@@ -3,7 +3,7 @@
 # scripts/build_gpu_wheels.sh in it):
 #
 #   bash scripts/gpu_check.sh [--device cuda|cpu] [--wheels DIR] [--out REPORT.md] [--budget SECONDS]
-#                             [--test-timeout SECONDS] [--quick] [--no-compile] [--sections "layer training decode"]
+#                             [--test-timeout SECONDS] [--quick] [--no-compile] [--sections "layer training decode quant"]
 #
 #   --device        cuda (default) or cpu: a dry run of every step on CPU (tests/gpu skip, benchmarks at tiny shapes)
 #   --wheels        the wheels to install (default .whl); none there: the environment's packages are used
@@ -13,16 +13,17 @@
 #   --test-timeout  seconds per test (default 120, GPU_TEST_TIMEOUT of tests/gpu/conftest.py)
 #   --quick         benchmarks at their --quick shapes (smaller, fewer rounds)
 #   --no-compile    benchmarks without torch.compile (a quick CPU dry run)
-#   --sections      which benchmark sections to run (default all three; the others are reported as not asked for)
+#   --sections      which benchmark sections to run (default all four; the others are reported as not asked for)
 #
 # Steps: install the wheels into a temporary --target (then PYTHONPATH), print card, driver, torch, transformers;
 # every tests/gpu file under `timeout`; benchmarks/gpu.py's sections (layer, training, decode) each in a fresh process
-# under `timeout`. The report is written after every step and names what did not run and why, also when the script
+# under `timeout`; quant: benchmarks/quantization.py's footprint and decoding rows (4-bit / 8-bit experts; needs
+# bitsandbytes, which the kit does not carry: reported as not run where the machine lacks it). The report is written after every step and names what did not run and why, also when the script
 # is stopped or a step fails or runs out of time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 device=cuda wheels=.whl report=gpu_check_report.md budget=480 test_timeout=120 quick="" compile=""
-sections="layer training decode"
+sections="layer training decode quant"
 while [ $# -gt 0 ]; do
     case $1 in
         --device) device=$2; shift 2 ;;
@@ -42,10 +43,10 @@ case $budget in '' | *[!0-9]*) echo "gpu_check.sh: --budget is a number of secon
 deadline=$((SECONDS + budget))
 work=$(mktemp -d)
 # step name -> its share of the budget in seconds (each also capped by what is left)
-steps=(wheels versions tests layer training decode)
-declare -A share=([wheels]=60 [versions]=60 [tests]=120 [layer]=110 [training]=150 [decode]=100)
+steps=(wheels versions tests layer training decode quant)
+declare -A share=([wheels]=60 [versions]=60 [tests]=120 [layer]=110 [training]=150 [decode]=100 [quant]=90)
 declare -A done_=()
-if [ "$device" = cpu ]; then share=([wheels]=60 [versions]=60 [tests]=60 [layer]=60 [training]=60 [decode]=60); fi
+if [ "$device" = cpu ]; then share=([wheels]=60 [versions]=60 [tests]=60 [layer]=60 [training]=60 [decode]=60 [quant]=60); fi
 
 say() { printf '%s\n' "$@" >>"$report"; }
 left() {
@@ -143,4 +144,23 @@ for s in layer training decode; do
     esac
     done_[$s]=1
 done
+# ---- 5. quantized experts: benchmarks/quantization.py's footprint and decoding rows
+log=$work/quant.log
+if [[ " $sections " != *" quant "* ]]; then
+    say "### quant: NOT RUN, not asked for (--sections \"$sections\")" ""
+elif ! python3 -c "import bitsandbytes" >/dev/null 2>&1; then
+    say "### quant: NOT RUN, bitsandbytes is not installed here: its wheel (41 MiB, 0.50.2) does not fit the kit's" \
+        "64 MiB beside transformers and the rest (28 MiB); an image with bitsandbytes runs this row" ""
+else
+    size=(); [ "$device" = cpu ] || [ -n "$quick" ] && size=(--smoke)
+    rc=$(run quant "$log" python3 benchmarks/quantization.py --device "$device" --parts footprint "${size[@]}" \
+        --markdown "$work/quant.md")
+    case $rc in
+        0) cat "$work/quant.md" >>"$report"; say "" ;;
+        skipped) say "### quant: NOT RUN, no time left in the budget" "" ;;
+        124 | 137) say "### quant: TIMED OUT (share ${share[quant]} s or the budget); what it printed:" ""; tail_of "$log" 30 ;;
+        *) say "### quant: FAILED (rc $rc)" ""; tail_of "$log" 20 ;;
+    esac
+fi
+done_[quant]=1
 echo "gpu_check.sh: report written to $report"

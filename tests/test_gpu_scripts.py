@@ -29,10 +29,10 @@ def test_help_names_every_option():
 
 
 def test_cpu_dry_run_writes_a_complete_report(tmp_path):
-    """Two sections at tiny shapes, eager (the layer section is left out and must be reported as such). `--budget 0`
+    """Three sections at tiny shapes, eager (the layer section is left out and must be reported as such). `--budget 0`
     runs every step without a time limit, so a busy machine makes the run slower, never incomplete."""
     report = tmp_path / "report.md"
-    run = gpu_check("--device", "cpu", "--no-compile", "--sections", "training decode", "--wheels",
+    run = gpu_check("--device", "cpu", "--no-compile", "--sections", "training decode quant", "--wheels",
                     str(tmp_path / "none"), "--out", str(report), "--budget", "0", timeout=None)
     assert run.returncode == 0, run.stderr
     text = report.read_text()
@@ -41,6 +41,7 @@ def test_cpu_dry_run_writes_a_complete_report(tmp_path):
     assert "### layer: NOT RUN, not asked for" in text
     assert "### Training step" in text and "| Qwen3-MoE E=8 k=2 |" in text
     assert "### Greedy decoding" in text and "| 4 | Qwen3-MoE grouped_mm |" in text
+    assert "### Quantized experts (benchmarks/quantization.py" in text and "| gpt_moe | 4-bit |" in text
     assert "## Not run" not in text and "NOT RUN, no time left" not in text and "(no budget)" in text
 
 
@@ -50,7 +51,7 @@ def test_report_names_what_did_not_run_when_the_budget_is_spent(tmp_path):
     assert run.returncode == 0, run.stderr
     text = report.read_text()
     assert "tests/gpu/test_cuda.py: NOT RUN, no time left" in text
-    for section in ("layer", "training", "decode"):
+    for section in ("layer", "training", "decode", "quant"):
         assert f"### {section}: NOT RUN, no time left in the budget" in text
     assert "Finished after" in text
 

@@ -1,9 +1,16 @@
 """The names and sizes the converters accept, in one light module (the standard library only): `hf-ppmoe upcycle|merge|export
 --help` lists them, and their argument errors print, before torch is imported."""
 
+import difflib
 import math
+import sys
 
-ROUTER_INITS = ("zeros", "random", "hidden")
+# "auto": the router that keeps the dense model's logits exact and lets the experts grow apart: "random" for a gate
+# whose combine weights sum to one for any router, "zeros" for the others (upcycling.resolve_router_init)
+ROUTER_INITS = ("auto", "zeros", "random", "hidden")
+# the built-in gates of hf_ppmoe.moe.gates (tests/conversion/test_cli.py holds the two equal), for the commands' checks
+# before torch is imported; a gate registered in Python is checked by the model config
+BUILTIN_GATES = ("topk", "switch", "gshard", "prototype")
 MERGE_METHODS = ("mean", "usage", "expert")
 # export targets: model_type -> Transformers class (export.TARGETS adds how each one is checked, configured and mapped)
 EXPORT_CLASSES = {
@@ -20,6 +27,35 @@ def default_experts_per_token(router_type: str, num_experts_per_tok: int | None)
     if num_experts_per_tok is not None:
         return num_experts_per_tok
     return 1 if router_type == "switch" else 2
+
+
+def routing_problem(router_type: str, num_experts: int, num_experts_per_tok: int | None) -> str | None:
+    """What the model config would refuse about a command's --router_type, --num_experts and --num_experts_per_tok
+    (None: the gate's default), in the command's words, or None. The rules of the built-in gates (their
+    `check_config`; a test holds the two in agreement)."""
+    E, given = num_experts, num_experts_per_tok is not None
+    registered = getattr(sys.modules.get("hf_ppmoe.moe.gates"), "GATES", {})  # gates of the user's own, if any
+    if router_type not in BUILTIN_GATES and router_type in registered:
+        return None  # its rules are its own: the model config checks them
+    if router_type not in BUILTIN_GATES:
+        close = difflib.get_close_matches(router_type, BUILTIN_GATES, n=1)
+        hint = f"; did you mean --router_type {close[0]}?" if close else "."
+        return f"--router_type {router_type}: no such gate; use one of {', '.join(BUILTIN_GATES)}{hint}"
+    k = default_experts_per_token(router_type, num_experts_per_tok)
+    flag = f"--num_experts_per_tok {k}" + ("" if given else " (the default)")
+    if k < 1:
+        return f"--num_experts_per_tok {k}: a token takes at least 1 expert; give 1 or more."
+    if k > E:
+        return (f"{flag} is more than --num_experts {E}: a token cannot take more experts than there are; lower "
+                "--num_experts_per_tok or raise --num_experts.")
+    if router_type == "switch" and k != 1:
+        return f"--router_type switch routes each token to 1 expert, not {flag}; drop --num_experts_per_tok, or use --router_type topk."
+    if router_type == "gshard" and k != 2:
+        return f"--router_type gshard is GShard's top-2 gating, not {flag}; drop --num_experts_per_tok, or use --router_type topk."
+    if router_type == "prototype" and E % k:
+        return (f"--router_type prototype splits --num_experts {E} into {flag} prototypes, which must divide it; "
+                f"use --num_experts_per_tok among {[d for d in range(1, E + 1) if E % d == 0]}.")
+    return None
 
 
 def granularity_problem(granularity, num_experts: int, copies_per_token: int, router_type: str, router_init: str,

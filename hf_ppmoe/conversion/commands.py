@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
 
-from .choices import (EXPORT_CLASSES, MERGE_METHODS, ROUTER_INITS, default_experts_per_token, granularity_problem,
-                      parse_size)
+from .choices import (BUILTIN_GATES, EXPORT_CLASSES, MERGE_METHODS, ROUTER_INITS, default_experts_per_token,
+                      granularity_problem, parse_size, routing_problem)
 
 
 def _help(text: str) -> dict:
@@ -41,7 +41,7 @@ class UpcycleArguments(_Output, _Paths):
     PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
     num_experts: int = field(default=8, metadata=_help("Experts per MoE layer."))
     num_experts_per_tok: int | None = field(default=None, metadata=_help("Routes per token (default: 1 for switch, else 2)."))
-    router_type: str = field(default="topk", metadata=_help("Gate: topk, switch, gshard, prototype, or a registered one."))
+    router_type: str = field(default="topk", metadata=_help(f"Gate: {', '.join(BUILTIN_GATES)}."))
     moe_layer_frequency: int = field(default=2, metadata=_help(
         "Every n-th FFN becomes MoE, layers n-1, 2n-1, ... from 0 (default 2, as in GShard and PPMoE: every other "
         "FFN, so a 2-layer model gets one MoE layer; 1: every FFN)."))
@@ -52,10 +52,12 @@ class UpcycleArguments(_Output, _Paths):
     no_decoder_moe: bool = field(default=False, metadata=_help("T5: keep every decoder FFN dense."))
     encoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th encoder FFN becomes MoE."))
     decoder_moe_layer_frequency: int | None = field(default=None, metadata=_help("T5: every n-th decoder FFN becomes MoE."))
-    router_init: str = field(default="zeros", metadata={**_help(f"Router initialization: {', '.join(ROUTER_INITS)}."),
-                                                        "choices": list(ROUTER_INITS)})
-    sample_texts: list[str] | None = field(default=None, metadata=_help("router_init=hidden: one text per expert."))
-    sample_file: str | None = field(default=None, metadata={**_help("router_init=hidden: a file with one text per expert, one per line.")})
+    router_init: str = field(default="auto", metadata={**_help(
+        f"Router initialization: {', '.join(ROUTER_INITS)}. auto: random for topk and gshard (exact, and the experts "
+        "grow apart in training), zeros for switch, prototype and topk without renormalisation (only a uniform router keeps "
+        "those exact; its ties route every token to the first experts)."), "choices": list(ROUTER_INITS)})
+    sample_texts: list[str] | None = field(default=None, metadata=_help("--router_init hidden: one text per expert."))
+    sample_file: str | None = field(default=None, metadata={**_help("--router_init hidden: a file with one text per expert, one per line.")})
     noise_std: float = field(default=0.0, metadata=_help("Std of the noise added to each expert copy (0: exact copies)."))
     reinit_ratio: float = field(default=0.0, metadata=_help("Drop-Upcycling: share of each expert's FFN dimensions re-initialised (0: exact copies)."))
     granularity: int = field(default=1, metadata=_help(
@@ -69,9 +71,8 @@ class UpcycleArguments(_Output, _Paths):
         "Give OUT's tokenizer a chat template (for chat completions, `hf-ppmoe serve`): chatml, a .jinja file, or Jinja text."))
 
     def __post_init__(self):
-        """Also the MoE settings the target config refuses whatever the source is (the checks both families share,
-        run on a GPT-MoE config), before the source is read; in the command's words (flags, and defaults named as
-        defaults)."""
+        """Also the MoE settings the target config refuses whatever the source is, before the source is read and
+        before torch is imported; in the command's words (flags, and defaults named as defaults)."""
         super().__post_init__()
         if self.chat_template is not None:
             from ..utils.chat_template import chat_template_text
@@ -80,10 +81,15 @@ class UpcycleArguments(_Output, _Paths):
         if self.num_experts < 2:
             raise ValueError(f"--num_experts {self.num_experts}: an MoE layer needs at least 2 experts (with one, "
                              "every token takes the dense FFN it was copied from); give --num_experts 2 or more.")
-        if self.num_experts_per_tok is None and default_experts_per_token(self.router_type, None) > self.num_experts:
-            raise ValueError(f"--num_experts {self.num_experts} is fewer than the default --num_experts_per_tok "
-                             f"{default_experts_per_token(self.router_type, None)} (routes per token); set "
-                             "--num_experts_per_tok too.")
+        problem = routing_problem(self.router_type, self.num_experts, self.num_experts_per_tok)
+        if problem:
+            raise ValueError(problem)
+        if self.moe_layer_frequency < 1:
+            raise ValueError(f"--moe_layer_frequency {self.moe_layer_frequency}: every n-th FFN becomes MoE, so n is 1 "
+                             "(every FFN) or more.")
+        if self.capacity_factor is not None and not 0 < self.capacity_factor < float("inf"):
+            raise ValueError(f"--capacity_factor {self.capacity_factor}: give a finite number > 0, or leave it out for "
+                             "dropless routing (no token is dropped).")
         copies_per_token = default_experts_per_token(self.router_type, self.num_experts_per_tok)
         problem = granularity_problem(self.granularity, self.num_experts, copies_per_token, self.router_type,
                                       self.router_init, self.reinit_ratio)
@@ -91,16 +97,6 @@ class UpcycleArguments(_Output, _Paths):
             raise ValueError(problem)  # in upcycle's words: --granularity is granularity=, and so on
         if self.router_init == "hidden":
             _check_sample_texts(self)
-        from ..modeling.configuration_gpt_moe import GPTMoEConfig
-
-        GPTMoEConfig(
-            num_experts=self.num_experts,
-            num_experts_per_tok=copies_per_token * self.granularity,
-            router_type=self.router_type,
-            moe_layer_frequency=self.moe_layer_frequency,
-            capacity_factor=self.capacity_factor,
-            norm_topk_prob=self.norm_topk_prob,
-        )
 
 
 @dataclass
@@ -108,9 +104,9 @@ class MergeArguments(_Output, _Paths):
     PATHS: ClassVar[dict] = {"sample_file": "input_file"}  # checked before any work (utils.paths)
     method: str = field(default="mean", metadata={**_help(f"How experts are merged: {', '.join(MERGE_METHODS)}."),
                                                   "choices": list(MERGE_METHODS)})
-    expert: int = field(default=0, metadata=_help("method=expert: the expert to keep."))
-    sample_texts: list[str] | None = field(default=None, metadata=_help("method=usage: texts to measure router usage on."))
-    sample_file: str | None = field(default=None, metadata={**_help("method=usage: a file of texts, one per line.")})
+    expert: int = field(default=0, metadata=_help("--method expert: the expert to keep."))
+    sample_texts: list[str] | None = field(default=None, metadata=_help("--method usage: texts to measure router usage on."))
+    sample_file: str | None = field(default=None, metadata={**_help("--method usage: a file of texts, one per line.")})
 
     def __post_init__(self):
         super().__post_init__()
@@ -169,30 +165,18 @@ def _stack_placement(args: UpcycleArguments) -> dict:
     return {k: v for k, v in placement.items() if v is not None}
 
 
+def _written(args) -> dict:
+    """Where and how every command writes its result."""
+    return dict(save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True)
+
+
 def run_upcycle(args: UpcycleArguments) -> Path:
     from .upcycling import upcycle
 
-    out = upcycle(
-        args.source,
-        num_experts=args.num_experts,
-        num_experts_per_tok=args.num_experts_per_tok,
-        router_type=args.router_type,
-        moe_layer_frequency=args.moe_layer_frequency,
-        moe_layers=args.moe_layers,
-        router_init=args.router_init,
-        sample_texts=_texts(args),
-        noise_std=args.noise_std,
-        reinit_ratio=args.reinit_ratio,
-        granularity=args.granularity,
-        seed=args.seed,
-        capacity_factor=args.capacity_factor,
-        norm_topk_prob=args.norm_topk_prob,
-        **_stack_placement(args),
-        save_directory=args.output,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        progress=True,
-    )
+    same = ("num_experts num_experts_per_tok router_type moe_layer_frequency moe_layers router_init noise_std "
+            "reinit_ratio granularity seed capacity_factor norm_topk_prob").split()  # upcycle's names for the flags
+    options = {name: getattr(args, name) for name in same}
+    out = upcycle(args.source, sample_texts=_texts(args), **options, **_stack_placement(args), **_written(args))
     if args.chat_template is not None:
         _write_chat_template(out, args.chat_template)
     return out
@@ -210,32 +194,19 @@ def _write_chat_template(folder: Path, template: str) -> None:
 def run_merge(args: MergeArguments) -> Path:
     from .merge import merge_experts
 
-    return merge_experts(
-        args.source,
-        method=args.method,
-        expert=args.expert,
-        sample_texts=_texts(args),
-        save_directory=args.output,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        progress=True,
-    )
+    return merge_experts(args.source, method=args.method, expert=args.expert, sample_texts=_texts(args), **_written(args))
 
 
 def run_import(args: ImportArguments) -> Path:
     from .upcycling import import_moe
 
-    return import_moe(
-        args.source, save_directory=args.output, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
-    )
+    return import_moe(args.source, **_written(args))
 
 
 def run_export(args: ExportArguments) -> Path:
     from .export import export_moe
 
-    return export_moe(
-        args.source, args.output, to=args.to, max_shard_size=args.max_shard_size, overwrite=args.overwrite, progress=True
-    )
+    return export_moe(args.source, to=args.to, **_written(args))
 
 
 COMMANDS = {

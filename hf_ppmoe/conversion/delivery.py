@@ -4,6 +4,7 @@ the result when no output folder is asked for)."""
 from __future__ import annotations
 
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -82,8 +83,24 @@ def deliver(
     if save_directory is None:
         with tempfile.TemporaryDirectory(prefix="hf-ppmoe-convert-") as tmp:
             folder = _write(Path(tmp) / "model", plan, tensors, config, model_class, checkpoint, max_shard_size, False, False, tokenizer, conversion)
-            return model_class.from_pretrained(folder).eval()
+            with _progress_bars(progress):  # loading a temporary folder the caller never named: no bar unless asked
+                return model_class.from_pretrained(folder).eval()
     return _write(Path(save_directory), plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer, conversion)
+
+
+@contextmanager
+def _progress_bars(shown: bool):
+    """Transformers' progress bars as they are, or (`shown=False`) off for the block."""
+    from transformers.utils import logging
+
+    hidden = not shown and logging.is_progress_bar_enabled()
+    if hidden:
+        logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if hidden:
+            logging.enable_progress_bar()
 
 
 def _write(target, plan, tensors, config, model_class, checkpoint, max_shard_size, overwrite, progress, tokenizer, conversion) -> Path:

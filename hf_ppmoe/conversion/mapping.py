@@ -169,73 +169,52 @@ class Same(Op):
 @dataclass(frozen=True)
 class PadRows(Op):
     """[rows, ...] -> [padded_rows, ...] with zero rows (Megatron pads its vocabulary to a multiple of 128 * TP).
-    Inverse: `CropRows`."""
+    `crop`: the inverse, [>= rows, ...] -> its first `rows` rows."""
 
     rows: int
     padded_rows: int
+    crop: bool = False
 
     def __call__(self, xs):
         (x,) = xs
+        if self.crop:
+            if x.shape[0] < self.rows:
+                raise ConversionError(f"a vocabulary tensor of shape {shape_str(x)} has fewer than {self.rows} rows")
+            return [x[: self.rows]]
         if x.shape[0] != self.rows:
             raise ConversionError(f"expected {self.rows} rows, got a tensor of shape {shape_str(x)}")
         return [torch.cat([x, x.new_zeros(self.padded_rows - self.rows, *x.shape[1:])])]
 
     def inverse(self):
-        return CropRows(self.rows, self.padded_rows)
-
-
-@dataclass(frozen=True)
-class CropRows(Op):
-    """[>= rows, ...] -> its first `rows` rows (drops a padded vocabulary's extra rows)."""
-
-    rows: int
-    padded_rows: int
-
-    def __call__(self, xs):
-        (x,) = xs
-        if x.shape[0] < self.rows:
-            raise ConversionError(f"a vocabulary tensor of shape {shape_str(x)} has fewer than {self.rows} rows")
-        return [x[: self.rows]]
-
-    def inverse(self):
-        return PadRows(self.rows, self.padded_rows)
+        return PadRows(self.rows, self.padded_rows, not self.crop)
 
 
 @dataclass(frozen=True)
 class InterleaveQKV(Op):
     """q [nh*d, ...], k, v [ng*d, ...] -> qkv [ng*(nh/ng + 2)*d, ...]: per KV group g, its nh/ng q heads, then k_g,
-    then v_g (Megatron's fused linear_qkv). Inverse: `DeinterleaveQKV`."""
+    then v_g (Megatron's fused linear_qkv). `split`: the inverse."""
 
     heads: int
     groups: int
     head_dim: int
+    split: bool = False
 
     def __call__(self, xs):
-        q, k, v = xs
-        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, q.shape[1:]
-        qkv = torch.cat([q.reshape(g, r * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
-        return [qkv.reshape(g * (r + 2) * d, *tail)]
-
-    def inverse(self):
-        return DeinterleaveQKV(self.heads, self.groups, self.head_dim)
-
-
-@dataclass(frozen=True)
-class DeinterleaveQKV(Op):
-    heads: int
-    groups: int
-    head_dim: int
-
-    def __call__(self, xs):
+        g, r, d = self.groups, self.heads // self.groups, self.head_dim
+        if not self.split:
+            q, k, v = xs
+            tail = q.shape[1:]
+            qkv = torch.cat([q.reshape(g, r * d, *tail), k.reshape(g, d, *tail), v.reshape(g, d, *tail)], dim=1)
+            return [qkv.reshape(g * (r + 2) * d, *tail)]
         (qkv,) = xs
-        g, r, d, tail = self.groups, self.heads // self.groups, self.head_dim, qkv.shape[1:]
+        tail = qkv.shape[1:]
         if qkv.shape[0] != g * (r + 2) * d:
             raise ConversionError(f"{self.heads} heads in {g} groups make {g * (r + 2) * d} qkv rows, not {shape_str(qkv)}")
         q, k, v = qkv.reshape(g, (r + 2) * d, *tail).split([r * d, d, d], dim=1)
         return [q.reshape(g * r * d, *tail), k.reshape(g * d, *tail), v.reshape(g * d, *tail)]
 
     def inverse(self):
-        return InterleaveQKV(self.heads, self.groups, self.head_dim)
+        return InterleaveQKV(self.heads, self.groups, self.head_dim, not self.split)
 
 
 def _in_float64(x: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

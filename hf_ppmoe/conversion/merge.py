@@ -154,7 +154,7 @@ def merge_experts(
     return deliver(
         arch.mapping(dense_config, frozenset(dense_names.keys())).inverse().apply(dense_names),
         dense_config,
-        getattr(transformers, arch.dense_class),
+        getattr(transformers, arch.class_name),
         checkpoint,
         save_directory=save_directory,
         max_shard_size=max_shard_size,

@@ -1,4 +1,4 @@
-"""T5 (v1.0, v1.1) and Switch Transformers -> Seq2Seq-MoE: config translation and weight-name tables.
+"""T5 (v1.0, v1.1) and Switch Transformers <-> Seq2Seq-MoE, both ways; Switch's dense twin is T5.
 
 A T5 becomes a Seq2Seq-MoE whose logits and generations equal T5's; upcycling then turns its chosen FFNs into MoE
 layers (upcycling.py). Weights are only renamed ({s}: encoder or decoder; FFN sublayer f: 1 in the encoder, 2 in the
@@ -17,11 +17,18 @@ decoder):
     ...DenseReluDense.wi_0, wi_1 (v1.1), wo       ...mlp.gate_proj, mlp.up_proj, mlp.down_proj
     {s}.final_layer_norm                          model.{s}.norm
 
-Switch Transformers has T5's layout with `mlp` for `DenseReluDense`; its sparse FFNs are imported as MoE layers:
+Switch Transformers has T5's layout with `mlp` for `DenseReluDense`; its sparse FFNs are MoE layers:
 
     ...layer.{f}.mlp.router.classifier            ...mlp.gate.weight [E, H]
     ...layer.{f}.mlp.experts.expert_{e}.wi        ...mlp.experts.up_proj [E, I, H]  (stacked nn.Linear weights)
     ...layer.{f}.mlp.experts.expert_{e}.wo        ...mlp.experts.down_proj [E, H, I]
+
+What Switch computes (Transformers 5.24, `models/switch_transformers`): T5 v1.0's layout, top-1 router (softmax in
+float32, the expert weighted by its probability), sparse blocks where i % step == 1 (every block for step 1) with
+step = num_layers // num_sparse_layers per stack; `expert_capacity` tokens per expert and sequence, dropped past it
+in training and evaluation alike (exported as 2**31 - 1: dropless, like ours; imported dropless); jitter multiplied in
+place into the hidden states the experts also read (float32); dropout_rate on embeddings, residuals, attention and
+inside every FFN.
 
 Tied heads. Transformers 5 always says tie_word_embeddings=True for T5; a checkpoint shows an untied head (real
 v1.1 checkpoints) by storing lm_head.weight, and Transformers unties it on loading. So the tables read the source's
@@ -32,19 +39,56 @@ tensor names: an lm_head.weight among them is an untied head. The head is fed de
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from transformers import T5Config
 
 from ..modeling.configuration_seq2seq_moe import Seq2SeqMoEConfig
 from ..modeling.modeling_seq2seq_moe import Seq2SeqMoEForConditionalGeneration
+from .adapter import Architecture, FieldMap, routing_reasons, weighting
+from .choices import EXPORT_CLASSES
 from .mapping import ConversionError, Mapping, Rule, Same, Stack, materialize, rename
 
 # a relative attention bias old T5 checkpoints store for cross-attention, which T5 never uses
 T5_IGNORED = (r"^decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight$",)
 STACKS = (("encoder", 1), ("decoder", 2))  # (stack, index of the FFN sublayer in each block)
+# Switch drops tokens past `expert_capacity` per expert and sequence, in evaluation too; ours is dropless
+DROPLESS_EXPERT_CAPACITY = 2**31 - 1
+
+FIELDS = FieldMap.of("vocab_size", "num_decoder_layers", "relative_attention_num_buckets", "relative_attention_max_distance",
+                     "use_cache", "pad_token_id", "eos_token_id", "dtype", hidden_size="d_model", intermediate_size="d_ff",
+                     num_hidden_layers="num_layers", num_attention_heads="num_heads",
+                     layer_norm_eps="layer_norm_epsilon", hidden_dropout="dropout_rate")
+SWITCH = FieldMap.of("num_experts", "router_aux_loss_coef", "router_z_loss_coef", hidden_act="dense_act_fn")
 
 
 def _depth(config, stack: str) -> int:
     return config.num_layers if stack == "encoder" else config.num_decoder_layers
+
+
+def _fields(c, names, *, gated: bool, scale: bool) -> dict:
+    """A T5 or Switch config -> ours (their tensor `names` tell whether the head is tied)."""
+    start = getattr(c, "decoder_start_token_id", None)
+    return FIELDS.ours(c) | dict(
+        head_dim=c.d_kv,
+        hidden_act=c.dense_act_fn,
+        gated_mlp=gated,
+        attention_scaling=1.0,  # T5 does not scale q.k; its query init carries the scale
+        norm_type="rmsnorm",
+        attention_dropout=c.dropout_rate,
+        tie_word_embeddings="lm_head.weight" not in names,
+        scale_decoder_outputs=scale,
+        decoder_start_token_id=start if start is not None else c.pad_token_id,
+    )
+
+
+def _config_fields(c) -> dict:
+    """Ours -> what T5's and Switch's configs share."""
+    return FIELDS.theirs(c) | dict(
+        d_kv=c.head_dim or c.hidden_size // c.num_attention_heads,
+        tie_word_embeddings=c.scale_decoder_outputs,  # Transformers 5 reads it as "rescale the head's input"
+        decoder_start_token_id=c.decoder_start_token_id,
+    )
 
 
 def _rules(config, names, ffn_rules) -> list[Rule]:
@@ -76,43 +120,17 @@ def _dense_ffn(module: str, gated: bool):
     return lambda t5, ours: [rename(f"{t5}{module}.{a}.weight", f"{ours}{b}.weight") for a, b in pairs]
 
 
-def t5_rules(config: T5Config, names=frozenset()) -> list[Rule]:
-    """T5 names -> Seq2Seq-MoE names; `names`: the source checkpoint's tensor names (see "Tied heads")."""
-    dense = _dense_ffn("DenseReluDense", config.is_gated_act)
-    return _rules(config, names, lambda stack, i, t5, ours: dense(t5, ours))
-
-
-def _common_fields(c, names, *, act: str, gated: bool, scale: bool) -> dict:
-    start = getattr(c, "decoder_start_token_id", None)
-    return dict(
-        vocab_size=c.vocab_size,
-        hidden_size=c.d_model,
-        intermediate_size=c.d_ff,
-        head_dim=c.d_kv,
-        num_hidden_layers=c.num_layers,
-        num_decoder_layers=c.num_decoder_layers,
-        num_attention_heads=c.num_heads,
-        hidden_act=act,
-        gated_mlp=gated,
-        attention_scaling=1.0,  # T5 does not scale q.k; its query init carries the scale
-        relative_attention_num_buckets=c.relative_attention_num_buckets,
-        relative_attention_max_distance=c.relative_attention_max_distance,
-        norm_type="rmsnorm",
-        layer_norm_eps=c.layer_norm_epsilon,
-        hidden_dropout=c.dropout_rate,
-        attention_dropout=c.dropout_rate,
-        tie_word_embeddings="lm_head.weight" not in names,
-        scale_decoder_outputs=scale,
-        use_cache=c.use_cache,
-        pad_token_id=c.pad_token_id,
-        eos_token_id=c.eos_token_id,
-        decoder_start_token_id=start if start is not None else c.pad_token_id,
-        dtype=c.dtype,
-    )
+# ------------------------------------------------------------------------------------------------------- T5
 
 
 def t5_fields(c: T5Config, names=frozenset()) -> dict:
-    return _common_fields(c, names, act=c.dense_act_fn, gated=c.is_gated_act, scale=c.scale_decoder_outputs)
+    return _fields(c, names, gated=c.is_gated_act, scale=c.scale_decoder_outputs)
+
+
+def t5_rules(config: T5Config, names=frozenset(), **_) -> list[Rule]:
+    """T5 names -> Seq2Seq-MoE names; `names`: the source checkpoint's tensor names (see "Tied heads")."""
+    dense = _dense_ffn("DenseReluDense", config.is_gated_act)
+    return _rules(config, names, lambda stack, i, t5, ours: dense(t5, ours))
 
 
 def config_from_t5(t5: T5Config, tied_head: bool | None = None) -> Seq2SeqMoEConfig:
@@ -143,26 +161,7 @@ def config_to_t5(config: Seq2SeqMoEConfig) -> T5Config:
         raise ConversionError(f"This Seq2Seq-MoE config is not a T5: {'; '.join(problems)}.")
     act = config.hidden_act
     feed_forward = ("gated-gelu" if act == "gelu_new" else f"gated-{act}") if config.gated_mlp else act
-    t5 = T5Config(
-        vocab_size=config.vocab_size,
-        d_model=config.hidden_size,
-        d_kv=config.head_dim or config.hidden_size // config.num_attention_heads,
-        d_ff=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_decoder_layers=config.num_decoder_layers,
-        num_heads=config.num_attention_heads,
-        relative_attention_num_buckets=config.relative_attention_num_buckets,
-        relative_attention_max_distance=config.relative_attention_max_distance,
-        dropout_rate=config.hidden_dropout,
-        layer_norm_epsilon=config.layer_norm_eps,
-        feed_forward_proj=feed_forward,
-        tie_word_embeddings=config.scale_decoder_outputs,  # Transformers 5 reads it as "rescale the head's input"
-        use_cache=config.use_cache,
-        pad_token_id=config.pad_token_id,
-        eos_token_id=config.eos_token_id,
-        decoder_start_token_id=config.decoder_start_token_id,
-        dtype=config.dtype,
-    )
+    t5 = T5Config(**_config_fields(config), feed_forward_proj=feed_forward)
     t5.architectures = ["T5ForConditionalGeneration"]
     return t5
 
@@ -184,6 +183,11 @@ def from_t5(t5_model) -> Seq2SeqMoEForConditionalGeneration:
     return model.train(t5_model.training)
 
 
+def t5_ffn_modules(c) -> list[str]:
+    """The dense FFN module of every layer, encoder then decoder (what a router sees is its input)."""
+    return [f"{stack}.block.{i}.layer.{f}.DenseReluDense" for stack, f in STACKS for i in range(_depth(c, stack))]
+
+
 # --------------------------------------------------------------------------------------- Switch Transformers
 
 
@@ -193,7 +197,25 @@ def switch_sparse_layers(c, stack: str) -> list[int]:
     return [i for i in range(_depth(c, stack)) if step > 0 and (i % step == 1 or step == 1)]
 
 
-def switch_rules(c, names=frozenset()) -> list[Rule]:
+def _sparse_count(moe: list[bool]) -> int | None:
+    """num_sparse_layers for which Switch Transformers builds exactly the MoE layers `moe` of a stack, or None."""
+    n = len(moe)
+    for count in range(n + 1):
+        step = n // count if count else n  # SwitchTransformersConfig.__post_init__
+        stack = SimpleNamespace(num_layers=n, encoder_sparse_step=step)
+        if [i in switch_sparse_layers(stack, "encoder") for i in range(n)] == moe:
+            return count
+    return None
+
+
+def _our_moe_layers(c) -> dict[str, list[bool]]:
+    return {
+        "encoder": [c.is_encoder_moe_layer(i) for i in range(c.num_hidden_layers)],
+        "decoder": [c.is_decoder_moe_layer(i) for i in range(c.num_decoder_layers)],
+    }
+
+
+def switch_rules(c, names=frozenset(), **_) -> list[Rule]:
     sparse = {stack: set(switch_sparse_layers(c, stack)) for stack, _ in STACKS}
     dense = _dense_ffn("mlp", gated=False)
 
@@ -212,10 +234,11 @@ def switch_rules(c, names=frozenset()) -> list[Rule]:
 
 def switch_fields(c, names=frozenset()) -> dict:
     """Switch's router as our "switch" gate, with router_dtype="float32" as Switch's. Refused: a router bias (ours
-    has none), a router dtype other than float32 (ours: float32 or the activations'), a gated FFN (Transformers' Switch has none). Its expert_capacity, an
-    absolute number of tokens per expert and sequence that also drops tokens in evaluation, has no counterpart:
-    the import is dropless (capacity_factor=None; pass one to train with a capacity), so its logits equal Switch's
-    whenever no expert receives more than expert_capacity tokens of a sequence."""
+    has none), a router dtype other than float32 (ours: float32 or the activations'), a gated FFN (Transformers'
+    Switch has none). Its expert_capacity, an absolute number of tokens per expert and sequence that also drops
+    tokens in evaluation, has no counterpart: the import is dropless (capacity_factor=None; pass one to train with a
+    capacity), so its logits equal Switch's whenever no expert receives more than expert_capacity tokens of a
+    sequence."""
     refused = [
         text
         for bad, text in (
@@ -228,42 +251,77 @@ def switch_fields(c, names=frozenset()) -> dict:
     ]
     if refused:
         raise ConversionError(f"This Switch Transformers checkpoint cannot be imported: {'; '.join(refused)}.")
-    return dict(
-        _common_fields(c, names, act=c.dense_act_fn, gated=False, scale=c.tie_word_embeddings),
-        num_experts=c.num_experts,
+    return _fields(c, names, gated=False, scale=c.tie_word_embeddings) | SWITCH.ours(c) | dict(
         num_experts_per_tok=1,
         router_type="switch",
         capacity_factor=None,
         eval_capacity_factor=None,
         router_jitter_noise=c.router_jitter_noise,
         router_dtype="float32",
-        router_aux_loss_coef=c.router_aux_loss_coef,
-        router_z_loss_coef=c.router_z_loss_coef,
         encoder_moe_layers=switch_sparse_layers(c, "encoder"),
         decoder_moe_layers=switch_sparse_layers(c, "decoder"),
     )
 
 
-def switch_dense_twin(c) -> T5Config:
-    """The T5 (ReLU FFN, as Switch's dense layers) that merging an imported Switch model's experts gives."""
-    fields = {k: v for k, v in switch_fields(c).items() if k not in ("encoder_moe_layers", "decoder_moe_layers")}
-    return config_to_t5(Seq2SeqMoEConfig(**fields, encoder_moe_layers=[], decoder_moe_layers=[]))
+def _switch_config(c):
+    from transformers import SwitchTransformersConfig
+
+    layers = _our_moe_layers(c)
+    return SwitchTransformersConfig(
+        **_config_fields(c),
+        **SWITCH.theirs(c),
+        bos_token_id=c.bos_token_id,
+        expert_capacity=DROPLESS_EXPERT_CAPACITY,
+        num_sparse_encoder_layers=_sparse_count(layers["encoder"]),
+        num_sparse_decoder_layers=_sparse_count(layers["decoder"]),
+        router_bias=False,
+        router_jitter_noise=0.0,
+        router_dtype="float32",  # Switch's only exact choice; ours with router_dtype=None computes the GEMM in the
+        # activations' dtype, the same in float32 (the dtype the export checks)
+    )
 
 
-def t5_ffn_modules(c) -> list[str]:
-    """The dense FFN module of every layer, encoder then decoder (what a router sees is its input)."""
-    return [f"{stack}.block.{i}.layer.{f}.DenseReluDense" for stack, f in STACKS for i in range(_depth(c, stack))]
+def _switch_reasons(c) -> list[str]:
+    label = "Switch Transformers"
+    renormalized, reasons = weighting(c, label)
+    if c.num_experts_per_tok != 1:
+        reasons.append(f"num_experts_per_tok={c.num_experts_per_tok}; {label} routes every token to one expert")
+    elif renormalized == "renormalized":
+        reasons.append(f"the one route's weight is renormalised to 1 (router_type={c.router_type!r}); {label} "
+                       "weights the expert by its probability")
+    for stack, moe in _our_moe_layers(c).items():
+        if _sparse_count(moe) is None:
+            reasons.append(
+                f"{stack} MoE layers {[i for i, m in enumerate(moe) if m]} of {len(moe)}: {label} builds sparse blocks "
+                "only where i % step == 1 (all blocks for step 1), step = num_layers // num_sparse_layers"
+            )
+    checks = [
+        (c.gated_mlp, f"a gated FFN (gated_mlp=True); {label}'s FFNs are act(wi x) without a gate"),
+        (c.norm_type != "rmsnorm", f"norm_type={c.norm_type!r}; {label} uses T5's RMSNorm"),
+        (c.attention_scaling != 1.0, f"attention_scaling={c.attention_scaling} (None: head_dim**-0.5); {label} "
+         "does not scale q.k (1.0)"),
+        (c.attention_bias or c.mlp_bias, f"biases (attention_bias={c.attention_bias}, mlp_bias={c.mlp_bias}); "
+         f"{label} has none"),
+        (c.hidden_dropout > 0 or c.attention_dropout > 0, f"dropout (hidden_dropout={c.hidden_dropout}, "
+         f"attention_dropout={c.attention_dropout}); {label}'s dropout_rate also drops inside every FFN, ours does "
+         "not (set both to 0 before exporting)"),
+        (c.shared_expert_intermediate_size > 0, f"a shared expert (shared_expert_intermediate_size="
+         f"{c.shared_expert_intermediate_size}); {label} has none"),
+        (c.moe_intermediate_size not in (None, c.intermediate_size), f"moe_intermediate_size="
+         f"{c.moe_intermediate_size} != intermediate_size={c.intermediate_size}; {label}'s experts have the dense "
+         "FFN's size d_ff"),
+        (c.tie_word_embeddings and not c.scale_decoder_outputs, f"a head tied to the embeddings without the "
+         f"d_model**-0.5 rescaling (tie_word_embeddings=True, scale_decoder_outputs=False); {label} ties its head "
+         "only together with that rescaling"),
+    ]
+    return reasons + [text for bad, text in checks if bad] + routing_reasons(c, label, jitters=True)
 
 
-__all__ = [
-    "config_from_t5",
-    "config_to_t5",
-    "from_t5",
-    "switch_dense_twin",
-    "switch_fields",
-    "switch_rules",
-    "switch_sparse_layers",
-    "t5_fields",
-    "t5_ffn_modules",
-    "t5_rules",
+ARCHITECTURES = [
+    Architecture("t5", "T5ForConditionalGeneration", t5_fields, t5_rules, "seq2seq_moe", base_prefix="", ignore=T5_IGNORED,
+                 ffn_modules=t5_ffn_modules, config=config_to_t5),
+    Architecture("switch_transformers", EXPORT_CLASSES["switch_transformers"], switch_fields, switch_rules, "seq2seq_moe",
+                 base_prefix="", ignore=T5_IGNORED, moe=True, twin="t5", config=_switch_config, reasons=_switch_reasons),
 ]
+
+__all__ = ["config_from_t5", "config_to_t5", "from_t5"]

@@ -3,7 +3,7 @@ our classes.
 
 Legend: E experts, K routes per token, H hidden, I FFN inner size.
 
-Upcycling is two maps, both declarative and reversible: the source architecture's table (architectures.py, t5.py)
+Upcycling is two maps, both declarative and reversible: the source architecture's table (its `Architecture`)
 renames its weights into the dense names of our model (GPT-MoE for decoders, Seq2Seq-MoE for encoder-decoders), then
 `experts_mapping` turns each chosen dense FFN into E copies plus a router.
 
@@ -12,7 +12,10 @@ when the combine weights of every token sum to one. With a zero router (`router_
 probabilities 1/E and its sum is a constant c (switch: 1/E; topk without renormalisation: K/E; prototype: K * K/E;
 topk with renormalisation and gshard: 1); the down-projections are scaled by 1/c, so every built-in gate is exact.
 A random or hidden-state router is exact only for gates that renormalise their weights (topk with
-norm_topk_prob=True, gshard); for the others `upcycle` warns. Exactness also needs dropless evaluation
+norm_topk_prob=True, gshard); for the others `upcycle` warns. The default, `router_init="auto"`, takes a random router
+where it is exact, and zeros elsewhere (`resolve_router_init`): identical experts that the router cannot tell apart
+stay identical in training (a zero router ties every expert, so the first ones take every token), so a random router
+is the one that trains. Exactness also needs dropless evaluation
 (eval_capacity_factor=None, the default; capacity_factor only applies in training) and no noise. GShard's random
 routing only happens in training.
 
@@ -32,8 +35,10 @@ from pathlib import Path
 import torch
 
 from ..modeling import GPTMoEConfig, GPTMoEForCausalLM, Seq2SeqMoEConfig, Seq2SeqMoEForConditionalGeneration
+from ..modeling.configuration_moe import MoEConfig
 from ..moe.gates import get_gate_class
-from .architectures import Architecture, get_architecture
+from .adapter import Architecture
+from .architectures import ARCHITECTURES, get_architecture
 from .choices import ROUTER_INITS, default_experts_per_token, granularity_problem
 from .io import Checkpoint, open_checkpoint, read_config_dict
 from .mapping import (Chain, Concat, ConversionError, Create, FlattenExperts, Identity, Mapping, Op, Replicate, Rule, Scale,
@@ -63,15 +68,23 @@ def moe_config_loader(reader: str):
     return load
 
 
+def _ffns(config) -> list[tuple[str, bool]]:
+    """Every FFN of a GPT-MoE or Seq2Seq-MoE config, the encoder's before the decoder's: (name prefix, is MoE)."""
+    if isinstance(config, Seq2SeqMoEConfig):
+        ffns = [(f"model.encoder.layers.{i}.mlp.", config.is_encoder_moe_layer(i)) for i in range(config.num_hidden_layers)]
+        return ffns + [(f"model.decoder.layers.{i}.mlp.", config.is_decoder_moe_layer(i)) for i in range(config.num_decoder_layers)]
+    return [(f"model.layers.{i}.mlp.", config.is_moe_layer(i)) for i in range(config.num_hidden_layers)]
+
+
 def moe_ffns(config) -> dict[int, str]:
     """The MoE layers of a GPT-MoE or Seq2Seq-MoE config: {FFN number: name prefix}. FFNs are numbered in order,
     the encoder's before the decoder's; the number keys `routers` and `merge_weights` and seeds each FFN's noise."""
-    if isinstance(config, Seq2SeqMoEConfig):
-        ffns = [(f"model.encoder.layers.{i}.mlp.", config.is_encoder_moe_layer(i)) for i in range(config.num_hidden_layers)]
-        ffns += [(f"model.decoder.layers.{i}.mlp.", config.is_decoder_moe_layer(i)) for i in range(config.num_decoder_layers)]
-    else:
-        ffns = [(f"model.layers.{i}.mlp.", config.is_moe_layer(i)) for i in range(config.num_hidden_layers)]
-    return {n: prefix for n, (prefix, is_moe) in enumerate(ffns) if is_moe}
+    return {n: prefix for n, (prefix, is_moe) in enumerate(_ffns(config)) if is_moe}
+
+
+# the placement fields that make every FFN of a config dense
+_NO_MOE = {GPTMoEConfig.model_type: dict(moe_layers=[]),
+           Seq2SeqMoEConfig.model_type: dict(encoder_moe_layers=[], decoder_moe_layers=[])}
 
 
 # -------------------------------------------------------------------------------------------- experts mapping
@@ -197,6 +210,16 @@ def gate_renormalizes(config) -> bool:
     return bool(torch.allclose(sums, torch.ones_like(sums), atol=1e-5))
 
 
+def resolve_router_init(router_init: str, config, granularity: int = 1) -> str:
+    """`router_init="auto"` -> "random" where the gate's combine weights sum to one for any router (topk with
+    norm_topk_prob=True, gshard; and fine-grained upcycling, which a zero router cannot do), else "zeros": for switch,
+    prototype and topk without renormalisation only a uniform router keeps the logits exact (its ties leave copies
+    alike; benchmarks/router_init.py). Any other value is returned as it is."""
+    if router_init != "auto":
+        return router_init
+    return "random" if granularity > 1 or gate_renormalizes(config) else "zeros"
+
+
 def _warn_if_inexact(config, router_init: str) -> None:
     if config.eval_capacity_factor is not None:
         warnings.warn(
@@ -210,7 +233,8 @@ def _warn_if_inexact(config, router_init: str) -> None:
             + (" and norm_topk_prob=False" if config.router_type == "topk" else "")
             + ": this gate's combine weights do not sum to one for a non-uniform router, so the upcycled model's logits "
             "will differ from the dense model's until it is fine-tuned. Exact: router_init='zeros' with any gate, or "
-            "'random'/'hidden' with router_type='topk' (norm_topk_prob=True) or 'gshard'.",
+            "'random'/'hidden' with router_type='topk' (norm_topk_prob=True) or 'gshard' (router_init='auto', the "
+            "default, takes the exact one).",
             stacklevel=3,
         )
 
@@ -301,7 +325,7 @@ def _routers(router_init, config, ffns, dtype, seed, checkpoint: Checkpoint, arc
     if model is None:
         import transformers
 
-        model = getattr(transformers, arch.dense_class).from_pretrained(checkpoint.folder)
+        model = getattr(transformers, arch.class_name).from_pretrained(checkpoint.folder)
     modules = arch.ffn_modules(checkpoint.config)
     rows = hidden_router_rows(model, {n: modules[n] for n in ffns}, sample_texts, tokenizer, C)
     del model
@@ -345,15 +369,66 @@ def _moe_config(arch: Architecture, fields: dict, overrides: dict, **extra):
         raise ConversionError(f"the {config_class.__name__} of the result refuses a setting: {err}") from err
 
 
-def upcycle(
-    dense,
+def upcycled_config(
+    dense_config,
+    names=frozenset(),
     *,
     num_experts: int = 8,
     num_experts_per_tok: int | None = None,
     router_type: str = "topk",
     moe_layer_frequency: int = 2,
     moe_layers: list[int] | None = None,
-    router_init: str = "zeros",
+    granularity: int = 1,
+    **config_overrides,
+):
+    """The config of the MoE model `upcycle` makes from a dense model with config `dense_config` (a Transformers
+    config of a supported architecture; `names`: its checkpoint's tensor names, where the architecture reads them)
+    and these options (`upcycle`'s), without reading any weight. ConversionError for settings it refuses."""
+    arch = get_architecture(getattr(dense_config, "model_type", None), moe=False)
+    num_experts_per_tok = default_experts_per_token(router_type, num_experts_per_tok)
+    fields = arch.fields(dense_config, names)
+    sliced = {}
+    if granularity > 1:
+        F = fields["intermediate_size"]
+        if F % granularity:
+            raise ConversionError(f"granularity={granularity} must divide the dense FFN's inner size "
+                                  f"intermediate_size={F}; choose a divisor of {F}.")
+        sliced = dict(moe_intermediate_size=F // granularity)
+    config = _moe_config(
+        arch,
+        fields,
+        config_overrides,
+        num_experts=num_experts,
+        num_experts_per_tok=num_experts_per_tok * granularity,
+        router_type=router_type,
+        moe_layer_frequency=moe_layer_frequency,
+        moe_layers=moe_layers,
+        **sliced,
+    )
+    if granularity > 1 and (num_experts // config.num_expert_groups) % granularity:
+        raise ConversionError(
+            f"num_expert_groups={config.num_expert_groups}: each routing group of {num_experts // config.num_expert_groups} "
+            f"experts must hold whole copies of the FFN ({granularity} slices each, granularity={granularity}); use "
+            f"fewer groups."
+        )
+    if not moe_ffns(config):
+        raise ConversionError(
+            f"no FFN becomes an MoE layer: moe_layer_frequency={moe_layer_frequency} with {config.num_hidden_layers} "
+            "layers" + (" per stack" if arch.family == "seq2seq_moe" else "") + ". Use a smaller frequency or list the "
+            "layers (moe_layers; encoder_moe_layers / decoder_moe_layers for an encoder-decoder)."
+        )
+    return config
+
+
+def upcycle(
+    dense,
+    *,
+    num_experts: int = MoEConfig.num_experts,
+    num_experts_per_tok: int | None = None,
+    router_type: str = MoEConfig.router_type,
+    moe_layer_frequency: int = MoEConfig.moe_layer_frequency,
+    moe_layers: list[int] | None = None,
+    router_init: str = "auto",
     sample_texts=None,
     tokenizer=None,
     noise_std: float = 0.0,
@@ -375,8 +450,9 @@ def upcycle(
     moe_layer_frequency / moe_layers: every n-th FFN becomes MoE (layers n-1, 2n-1, ...), or the listed ones. For T5
         the frequency applies to each stack; choose per stack with the Seq2SeqMoEConfig fields encoder_moe_layers /
         decoder_moe_layers (lists, [] for none) or encoder_moe_layer_frequency / decoder_moe_layer_frequency.
-    router_init: "zeros" (uniform routing; exact for every gate), "random" (normal, std initializer_range), or
-        "hidden" (mergekit's mode: one row per expert from the FFN inputs of `sample_texts[e]`, a text or a list of
+    router_init: "auto" (the default: "random" for a gate whose weights sum to one, topk with norm_topk_prob=True
+        and gshard, else "zeros"), "zeros" (uniform routing; exact for every gate, but the tied experts are chosen
+        alike), "random" (normal, std initializer_range), or "hidden" (mergekit's mode: one row per expert from the FFN inputs of `sample_texts[e]`, a text or a list of
         texts per expert, tokenized with `tokenizer` or the source folder's tokenizer; a T5 reads each text in its
         encoder and, as its target, in its decoder).
     noise_std: N(0, noise_std^2) noise added to each expert's weights to break their symmetry (`seed` draws it).
@@ -408,38 +484,13 @@ def upcycle(
     if problem:
         raise ConversionError(problem)
     checkpoint, arch, names = _dense_checkpoint(dense, moe=False)
-    fields = arch.fields(checkpoint.config, names)
-    sliced = {}
-    if granularity > 1:
-        F = fields["intermediate_size"]
-        if F % granularity:
-            raise ConversionError(f"granularity={granularity} must divide the dense FFN's inner size "
-                                  f"intermediate_size={F}; choose a divisor of {F}.")
-        sliced = dict(moe_intermediate_size=F // granularity)
-    config = _moe_config(
-        arch,
-        fields,
-        config_overrides,
-        num_experts=num_experts,
-        num_experts_per_tok=num_experts_per_tok * granularity,
-        router_type=router_type,
-        moe_layer_frequency=moe_layer_frequency,
-        moe_layers=moe_layers,
-        **sliced,
+    config = upcycled_config(
+        checkpoint.config, names, num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+        router_type=router_type, moe_layer_frequency=moe_layer_frequency, moe_layers=moe_layers,
+        granularity=granularity, **config_overrides,
     )
-    if granularity > 1 and (num_experts // config.num_expert_groups) % granularity:
-        raise ConversionError(
-            f"num_expert_groups={config.num_expert_groups}: each routing group of {num_experts // config.num_expert_groups} "
-            f"experts must hold whole copies of the FFN ({granularity} slices each, granularity={granularity}); use "
-            f"fewer groups."
-        )
     ffns = moe_ffns(config)
-    if not ffns:
-        raise ConversionError(
-            f"no FFN becomes an MoE layer: moe_layer_frequency={moe_layer_frequency} with {config.num_hidden_layers} "
-            "layers" + (" per stack" if arch.family == "seq2seq_moe" else "") + ". Use a smaller frequency or list the "
-            "layers (moe_layers; encoder_moe_layers / decoder_moe_layers for an encoder-decoder)."
-        )
+    router_init = resolve_router_init(router_init, config, granularity)
     _warn_if_inexact(config, router_init)
     # the combine weights of a token's copies sum to 1/g of all its routes' (a copy's g slices weigh alike)
     scale = granularity * expert_output_scale(config)
@@ -472,6 +523,22 @@ def upcycle(
     )
 
 
+def _dense_twin(arch: Architecture, fields: dict):
+    """The config merging an imported model's experts writes: its dense twin's (`arch.twin`) of our config with every
+    FFN dense, or None: no twin, or dense layers and experts of two sizes (a dense model has one FFN size)."""
+    if arch.twin is None:
+        return None
+    config_class = MODEL_CLASSES[arch.family].config_class
+    moe = config_class(**fields)
+    size = moe.moe_intermediate_size or moe.intermediate_size
+    if size != moe.intermediate_size and not all(is_moe for _, is_moe in _ffns(moe)):
+        return None
+    twin = ARCHITECTURES[arch.twin]
+    config = twin.config(config_class(**{**fields, **_NO_MOE[arch.family], "intermediate_size": size}))
+    config.architectures = [twin.class_name]
+    return config
+
+
 def import_moe(
     moe,
     *,
@@ -481,17 +548,15 @@ def import_moe(
     progress: bool = False,
     **config_overrides,
 ) -> GPTMoEForCausalLM | Seq2SeqMoEForConditionalGeneration | Path:
-    """Import an MoE checkpoint (a model object or a folder / Hub id) into our classes: same weights, same routing,
-    equal logits. Mixtral and Qwen3-MoE become a GPT-MoE with a "topk" gate (Qwen3-MoE with qk_norm, its dense layers
-    and expert size), GLM-4-MoE a GPT-MoE with a sigmoid "topk" gate (its score-correction bias as expert_bias, its
-    groups, scaling factor, dense layers and shared experts; only with partial_rotary_factor=1.0), Switch Transformers
-    a Seq2Seq-MoE with a "switch" gate (dropless; see `t5.switch_fields` for its expert_capacity). `merge_experts`
-    turns the result into the dense twin (MistralForCausalLM, Qwen3ForCausalLM, T5ForConditionalGeneration; none for
-    a Qwen3-MoE whose dense layers and experts differ in size, nor for a GLM-4-MoE). Returns the model,
-    or writes it to `save_directory` and returns the path (as `upcycle`)."""
+    """Import an MoE checkpoint (a model object or a folder / Hub id: Mixtral, Qwen3-MoE, GLM-4-MoE or Switch
+    Transformers) into our classes: same weights, same routing, equal logits; each architecture's module (mixtral.py,
+    qwen_moe.py, glm4_moe.py, t5.py) says what it becomes and what it refuses. `merge_experts` turns the result into
+    its dense twin (Mistral, Qwen3, T5; none for GLM-4-MoE, nor where dense layers and experts differ in size).
+    Returns the model, or writes it to `save_directory` and returns the path (as `upcycle`)."""
     checkpoint, arch, names = _dense_checkpoint(moe, moe=True)
-    config = _moe_config(arch, arch.fields(checkpoint.config, names), config_overrides)
-    twin = arch.dense_twin(checkpoint.config)
+    fields = arch.fields(checkpoint.config, names)
+    config = _moe_config(arch, fields, config_overrides)
+    twin = _dense_twin(arch, fields)
     config.conversion = {
         "dense_config": twin.to_dict() if twin is not None else None,
         "expert_output_scale": 1.0,
@@ -520,6 +585,7 @@ __all__ = [
     "import_moe",
     "moe_config_loader",
     "moe_ffns",
+    "resolve_router_init",
     "run_on_text",
     "sample_ids",
     "upcycle",

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from accelerate.utils import AbstractTrainStep, add_model_config_to_megatron_parser
 
+from ..conversion.adapter import FieldMap
 from ..modeling.loss import IGNORE_INDEX
+from ..moe.gates import TopKGate
 
 ACTIVATIONS = {
     "silu": F.silu,
@@ -63,7 +65,7 @@ def megatron_incompatibilities(config) -> list[str]:
             "one top-1 per group of experts (Megatron's group-limited routing selects groups, then top-k across them)",
         }.get(config.router_type, "only the built-in 'topk' and 'switch' gates have a Megatron counterpart")
         problems.append(f"router_type={config.router_type!r}: {reason}.")
-    if has_moe and config.router_type == "topk" and getattr(config, "topk_weighting", "probs") != "probs":
+    if has_moe and config.router_type == "topk" and config.topk_weighting != "probs":
         problems.append(
             f"topk_weighting={config.topk_weighting!r}: Megatron weights the top-k by their probabilities (optionally "
             "renormalised), not by a softmax over them (M6-T Eq. (1)); use topk_weighting='probs'."
@@ -80,19 +82,18 @@ def megatron_incompatibilities(config) -> list[str]:
             f"router_num_groups={config.router_num_groups}: our load-balancing loss is per group, Megatron's per "
             "micro-batch; use router_num_groups=1."
         )
-    sigmoid = getattr(config, "router_score_function", "softmax") == "sigmoid"
-    groups, k = getattr(config, "num_expert_groups", 1), config.num_experts_per_tok
-    topk_groups = getattr(config, "topk_expert_groups", None) or groups
+    sigmoid = config.router_score_function == "sigmoid"
+    (groups, topk_groups), k = TopKGate.expert_groups(config), config.num_experts_per_tok
     for wrong, message in (
         (sigmoid and k > 1 and not config.norm_topk_prob, "router_score_function='sigmoid' with norm_topk_prob=False: "
          "Megatron renormalises sigmoid top-k weights; use norm_topk_prob=True"),
-        (getattr(config, "router_expert_bias", False) and not sigmoid, "router_expert_bias=True with softmax scores: "
+        (config.router_expert_bias and not sigmoid, "router_expert_bias=True with softmax scores: "
          "Megatron's expert bias needs router_score_function='sigmoid'"),
         (groups > 1 and k // topk_groups != 2, f"num_expert_groups={groups} with num_experts_per_tok // "
          f"topk_expert_groups = {k // topk_groups}: Megatron scores a group by its top k / topk_groups experts, ours by "
          "its top 2"),
-        (getattr(config, "router_aux_loss_scope", "micro_batch") != "micro_batch", "router_aux_loss_scope="
-         f"{getattr(config, 'router_aux_loss_scope', None)!r}: Megatron's seq/global aux losses are computed otherwise "
+        (config.router_aux_loss_scope != "micro_batch", "router_aux_loss_scope="
+         f"{config.router_aux_loss_scope!r}: Megatron's seq/global aux losses are computed otherwise "
          "(its global one from a running sum within the step); use 'micro_batch'"),
     ):
         if has_moe and wrong:
@@ -146,28 +147,32 @@ def _head_dim(config) -> int:
     return config.head_dim or config.hidden_size // config.num_attention_heads
 
 
+# ours -> megatron-core `TransformerConfig`: the fields that carry one value (the others are computed below)
+TRANSFORMER_FIELDS = FieldMap.of(
+    "hidden_size", "num_attention_heads", "hidden_dropout", "attention_dropout", num_hidden_layers="num_layers",
+    intermediate_size="ffn_hidden_size", num_key_value_heads="num_query_groups", layer_norm_eps="layernorm_epsilon",
+    gated_mlp="gated_linear_unit", qk_norm="qk_layernorm", initializer_range="init_method_std")
+MOE_FIELDS = FieldMap.of(
+    num_experts="num_moe_experts", num_experts_per_tok="moe_router_topk", router_score_function="moe_router_score_function",
+    router_expert_bias="moe_router_enable_expert_bias", router_bias_update_rate="moe_router_bias_update_rate")
+# `TransformerConfig` fields -> Megatron-LM's arguments: renamed, or not arguments at all (None)
+LM_ARGS = {"layernorm_epsilon": "norm_epsilon", "num_moe_experts": "num_experts", "gated_linear_unit": None,
+           "activation_func": None, "bias_activation_fusion": None, "window_size": None,
+           "moe_router_score_function": None}
+
+
 def transformer_config_kwargs(config, *, tp: int = 1, pp: int = 1) -> dict:
     """megatron-core `TransformerConfig` fields reproducing `config` with the PPMoE layout on `tp` x `pp` ranks."""
     check_megatron_compatible(config)
     add_bias_linear, add_qkv_bias = BIAS_LAYOUTS[(config.attention_bias, config.attention_output_bias, config.mlp_bias)]
     kwargs = dict(
-        num_layers=config.num_hidden_layers,
-        hidden_size=config.hidden_size,
-        ffn_hidden_size=config.intermediate_size,
-        num_attention_heads=config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads,
+        TRANSFORMER_FIELDS.theirs(config),
         kv_channels=_head_dim(config),
         normalization="RMSNorm" if config.norm_type == "rmsnorm" else "LayerNorm",
-        layernorm_epsilon=config.layer_norm_eps,
-        gated_linear_unit=config.gated_mlp,
         activation_func=ACTIVATIONS[config.hidden_act],
         bias_activation_fusion=False,  # Megatron's fused bias-GeLU is the tanh approximation whatever the activation
         add_bias_linear=add_bias_linear,
         add_qkv_bias=add_qkv_bias,
-        qk_layernorm=config.qk_norm,
-        hidden_dropout=config.hidden_dropout,
-        attention_dropout=config.attention_dropout,
-        init_method_std=config.initializer_range,
         window_size=(config.sliding_window - 1, 0) if config.sliding_window else None,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=pp,
@@ -176,21 +181,15 @@ def transformer_config_kwargs(config, *, tp: int = 1, pp: int = 1) -> dict:
     pattern = moe_layer_pattern(config)
     num_moe = sum(pattern)
     if num_moe:
-        pre_softmax = config.router_type == "switch" or not config.norm_topk_prob
+        groups = config.num_expert_groups
         kwargs.update(
-            num_moe_experts=config.num_experts,
+            MOE_FIELDS.theirs(config),
             moe_ffn_hidden_size=config.moe_intermediate_size or config.intermediate_size,
-            moe_router_topk=config.num_experts_per_tok,
             moe_layer_freq=pattern,
-            moe_router_pre_softmax=pre_softmax,
-            moe_router_score_function=getattr(config, "router_score_function", "softmax"),
-            moe_router_enable_expert_bias=getattr(config, "router_expert_bias", False),
-            moe_router_bias_update_rate=getattr(config, "router_bias_update_rate", 0.001),
-            moe_router_topk_scaling_factor=(getattr(config, "routed_scaling_factor", 1.0) if getattr(
-                config, "routed_scaling_factor", 1.0) != 1.0 else None),
-            moe_router_num_groups=getattr(config, "num_expert_groups", 1) if getattr(config, "num_expert_groups", 1) > 1 else None,
-            moe_router_group_topk=(getattr(config, "topk_expert_groups", None) or getattr(config, "num_expert_groups", 1))
-            if getattr(config, "num_expert_groups", 1) > 1 else None,
+            moe_router_pre_softmax=config.router_type == "switch" or not config.norm_topk_prob,
+            moe_router_topk_scaling_factor=config.routed_scaling_factor if config.routed_scaling_factor != 1.0 else None,
+            moe_router_num_groups=groups if groups > 1 else None,
+            moe_router_group_topk=(config.topk_expert_groups or groups) if groups > 1 else None,
             moe_router_dtype="fp32",  # our softmax is float32 (and with router_dtype="float32" the router GEMM too)
             moe_router_load_balancing_type="aux_loss",
             moe_aux_loss_coeff=config.router_aux_loss_coef / num_moe,
@@ -207,41 +206,22 @@ def transformer_config_kwargs(config, *, tp: int = 1, pp: int = 1) -> dict:
 def megatron_lm_args(config, *, tp: int = 1, pp: int = 1) -> dict:
     """The same model as Megatron-LM command-line arguments (argparse dest names), for the plugin and checkpoints."""
     kw = transformer_config_kwargs(config, tp=tp, pp=pp)
-    args = dict(
-        num_layers=kw["num_layers"],
-        hidden_size=kw["hidden_size"],
-        ffn_hidden_size=kw["ffn_hidden_size"],
-        num_attention_heads=kw["num_attention_heads"],
-        kv_channels=kw["kv_channels"],
+    args = {LM_ARGS.get(k, k): v for k, v in kw.items() if LM_ARGS.get(k, k)}
+    rotary = config.position_embedding_type == "rotary"
+    args.update(
         group_query_attention=config.num_key_value_heads != config.num_attention_heads,
-        num_query_groups=config.num_key_value_heads,
         max_position_embeddings=config.max_position_embeddings,
-        position_embedding_type="rope" if config.position_embedding_type == "rotary" else "learned_absolute",
-        use_rotary_position_embeddings=config.position_embedding_type == "rotary",
+        position_embedding_type="rope" if rotary else "learned_absolute",
+        use_rotary_position_embeddings=rotary,
         add_position_embedding=config.position_embedding_type == "learned",
-        normalization=kw["normalization"],
-        norm_epsilon=kw["layernorm_epsilon"],
         swiglu=config.gated_mlp and config.hidden_act in ("silu", "swish"),
-        add_bias_linear=kw["add_bias_linear"],
-        add_qkv_bias=kw["add_qkv_bias"],
-        qk_layernorm=kw["qk_layernorm"],
         untie_embeddings_and_output_weights=not config.tie_word_embeddings,
-        hidden_dropout=kw["hidden_dropout"],
-        attention_dropout=kw["attention_dropout"],
-        init_method_std=kw["init_method_std"],
         orig_vocab_size=config.vocab_size,
         eos_token_id=config.eos_token_id,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        sequence_parallel=kw["sequence_parallel"],
         context_parallel_size=1,
     )
-    if config.position_embedding_type == "rotary":
+    if rotary:
         args.update(rotary_base=config.rope_parameters["rope_theta"], rotary_percent=1.0)
-    if "num_moe_experts" in kw:
-        args.update(num_experts=kw["num_moe_experts"])
-        args.update({k: kw[k] for k in kw if k.startswith("moe_") or k.startswith("expert_")})
-        del args["moe_router_score_function"]  # not a Megatron-LM argument name
     return args
 
 

@@ -74,7 +74,7 @@ def rules(config, padded_vocab: int) -> list[Rule]:
             table += _mlp_rules(f"{hf}mlp.", f"{mc}mlp.", config)
             continue
         table.append(rename(f"{hf}mlp.gate.weight", f"{mc}mlp.router.weight"))
-        if getattr(config, "router_expert_bias", False):  # Megatron-core's TopKRouter buffer of the same meaning
+        if config.router_expert_bias:  # Megatron-core's TopKRouter buffer of the same meaning
             table.append(rename(f"{hf}mlp.gate.expert_bias", f"{mc}mlp.router.expert_bias"))
         experts, local = f"{hf}mlp.experts.", f"{mc}mlp.experts.local_experts.{{e}}."
         fc1 = "gate_up_proj" if config.gated_mlp else "up_proj"

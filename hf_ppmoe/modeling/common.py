@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from ..moe.experts import Experts
+from ..moe.experts import EXPERTS_IMPLEMENTATIONS, Experts
 from ..moe.gates import Gate
 from ..moe.layer import MoELayer
+from ..moe.quantized import parameter_count
 from ..utils.atomic import atomic_folder
 from ..utils.integrity import (
     WEIGHT_FILE,
@@ -31,6 +32,7 @@ from ..utils.integrity import (
 from ..utils.transformers_private import PrivateHooks
 from .hub_io import add_remote_code, check_moe_tensors_loaded, write_custom_generate
 from .parallel_hooks import ParallelHooks
+from .quantization import dequantize_model_experts, weight_loading_quantizer
 
 
 def layer_outputs(hidden_states: torch.Tensor, routing) -> tuple:
@@ -61,9 +63,23 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
     _auto_classes: dict[str, str] = {}
 
     def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
-        """Transformers' check of an `experts_implementation`, with ours ("index", "einsum") as known names and
-        "index" as the default (Transformers' default is "grouped_mm")."""
-        return super().get_correct_experts_implementation("index" if requested_experts is None else requested_experts)
+        """Transformers' check of an `experts_implementation`, which also takes ours ("index", "einsum": they run on
+        our `Experts` only, so Transformers' global registry does not list them) and makes "index" the default
+        (Transformers' default is "grouped_mm")."""
+        requested = "index" if requested_experts is None else requested_experts
+        if requested in EXPERTS_IMPLEMENTATIONS:
+            return requested
+        try:
+            return super().get_correct_experts_implementation(requested)
+        except ValueError as error:
+            raise ValueError(f"{error} Our models also take {', '.join(map(repr, EXPERTS_IMPLEMENTATIONS))}.") from None
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Transformers' former name of `is_activation_checkpointing` (deprecated in 5.x), which PEFT still reads when
+        it wraps a model (`get_peft_model`, `PeftModel.from_pretrained`): the same answer, without the FutureWarning
+        addressed to PEFT's code that it printed to our users."""
+        return self.is_activation_checkpointing
 
     def num_active_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameters that take part in one token's forward pass, the number MoE models are compared by: all of them,
@@ -73,8 +89,20 @@ class MoEPreTrainedModel(ParallelHooks, PrivateHooks, PreTrainedModel):
         for module in self.modules():
             if isinstance(module, MoELayer):
                 E, k = module.experts.num_experts, module.gate.top_k
-                inactive += sum(p.numel() for p in module.experts.parameters()) * (E - k) // E
+                inactive += parameter_count(module.experts) * (E - k) // E
         return self.num_parameters(exclude_embeddings=exclude_embeddings) - inactive
+
+    def weight_loading_quantizer(self, hf_quantizer):
+        """The quantizer the weights load with under `from_pretrained(..., quantization_config=...)`: Transformers'
+        bitsandbytes quantizer, which also stores every expert weight quantized (hf_ppmoe.modeling.quantization);
+        a config that would leave the experts in full precision is refused."""
+        return weight_loading_quantizer(self, hf_quantizer)
+
+    def dequantize(self, dtype: torch.dtype | None = None):
+        """Transformers' `dequantize` (quantized linear layers back to `nn.Linear`), the experts' quantized weights
+        back to plain parameters too (in `dtype`, by default the model's): e.g. to merge a QLoRA adapter."""
+        dequantize_model_experts(self, dtype or self.config.dtype)
+        return super().dequantize(dtype=dtype)
 
     @torch.no_grad()
     def _init_weights(self, module):

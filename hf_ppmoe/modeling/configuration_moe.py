@@ -136,7 +136,7 @@ class MoEConfig(PreTrainedConfig):
     output_router_logits: bool = False
 
     def __post_init__(self, **kwargs):
-        # before 0.2 the experts' kernel was the field `dispatch`, a word now kept for the token dispatcher
+        # before 0.2 the experts' kernel was the config field `dispatch`
         legacy = kwargs.pop("dispatch", None)
         if legacy is not None:
             logger.warning_once(
@@ -171,8 +171,8 @@ class MoEConfig(PreTrainedConfig):
         check(self.layer_norm_eps > 0, f"layer_norm_eps must be > 0, got {self.layer_norm_eps}.")
 
     def validate_moe(self) -> None:
-        """Raise ValueError, naming the field and the fix, for MoE settings that cannot work."""
-        check(self.num_experts >= 1, f"num_experts must be >= 1, got {self.num_experts}.")
+        """Raise ValueError, naming the field and the fix, for MoE settings that cannot work (after
+        `validate_numbers`, which checks every size and coefficient on its own)."""
         check(
             1 <= self.num_experts_per_tok <= self.num_experts,
             f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and num_experts={self.num_experts}: "
@@ -181,7 +181,6 @@ class MoEConfig(PreTrainedConfig):
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
             check(value is None or value > 0, f"{name}={value} must be > 0, or None for dropless routing (no token is ever dropped).")
-        check(self.router_num_groups >= 1, f"router_num_groups must be >= 1, got {self.router_num_groups}.")
         check(
             0.0 <= self.router_jitter_noise < 1.0,
             f"router_jitter_noise={self.router_jitter_noise} must be in [0, 1) (multiplicative noise 1 +- eps).",
@@ -219,10 +218,6 @@ class MoEConfig(PreTrainedConfig):
         check(
             self.hidden_act in ACT2FN,
             f"Unknown hidden_act {self.hidden_act!r}; use one of Transformers' activations, e.g. 'gelu_new', 'silu', 'relu'.",
-        )
-        check(
-            self.moe_layer_frequency >= 1,
-            f"moe_layer_frequency must be >= 1 (1: every FFN is MoE, 2: every other one), got {self.moe_layer_frequency}.",
         )
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             check(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}.")

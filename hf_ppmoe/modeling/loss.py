@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..moe.losses import router_loss
+from ..moe.losses import losses_wanted, router_loss
 
 IGNORE_INDEX = -100  # a label that is no target (Transformers' and PyTorch's cross-entropy default)
 
@@ -47,6 +47,12 @@ def warn_if_no_targets(targets: torch.Tensor) -> None:
         "LM cannot predict from earlier ones): its loss is 0 and it gives no gradient.",
         stacklevel=3,
     )
+
+
+def router_losses_wanted(requested: bool | None, labels: torch.Tensor | None) -> bool | None:
+    """A task head's `compute_router_losses` for its base model: as requested; by default True with labels (the
+    loss includes the router losses), else None, which the stacks decide (`blocks.capture_moe_outputs`)."""
+    return requested if labels is None else losses_wanted(requested, labels=True)
 
 
 def router_loss_weight(targets: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:

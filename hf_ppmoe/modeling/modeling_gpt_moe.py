@@ -17,14 +17,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
-from ..moe.losses import losses_wanted
 from ..utils.transformers_private import attention_implementation
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, eager_attention_forward
 from .blocks import head_output, model_forward, output_recorders, run_layers
 from .common import MoEPreTrainedModel
 from .configuration_gpt_moe import GPTMoEConfig
 from .inputs import check_ids, check_tokens, routing_token_mask
-from .loss import lm_targets, model_loss
+from .loss import lm_targets, model_loss, router_losses_wanted
 from .norms import RMSNorm, build_norm
 
 
@@ -254,7 +253,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
     """`GPTMoEModel` with an LM head (tied to the embeddings if `tie_word_embeddings`); generates with every
     Transformers decoding mode, also `output_router_logits=True` (hf_ppmoe.generation.router_stats)."""
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _tp_plan = {"lm_head": "colwise_gathered"}  # hf_ppmoe.parallel: gathered logits, not a view
     _auto_classes = {"AutoModel": "GPTMoEModel", "AutoModelForCausalLM": "GPTMoEForCausalLM"}
 
     def __init__(self, config: GPTMoEConfig):
@@ -288,7 +287,7 @@ class GPTMoEForCausalLM(GPTMoEPreTrainedModel, MoEGenerationMixin):
             cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
-            compute_router_losses=compute_router_losses if labels is None else losses_wanted(compute_router_losses, labels=True),
+            compute_router_losses=router_losses_wanted(compute_router_losses, labels),
             **kwargs,
         )
         hidden = out.last_hidden_state

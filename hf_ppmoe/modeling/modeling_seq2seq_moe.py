@@ -20,7 +20,6 @@ from typing import Unpack
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, EncoderDecoderCache
-from transformers.loss.loss_utils import ForMaskedLMLoss
 from transformers.masking_utils import create_bidirectional_mask, create_causal_mask
 from transformers.modeling_outputs import (
     BaseModelOutputWithPastAndCrossAttentions,
@@ -31,14 +30,13 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.utils import TransformersKwargs
 
 from ..generation.router_stats import MoEGenerationMixin
-from ..moe.losses import losses_wanted
 from ..utils.transformers_private import attention_implementation, register_output_recorders
 from .blocks import MoETransformerLayer, attend, capture_moe_outputs, combine_router_losses
 from .blocks import eager_attention_forward, head_output, model_forward, output_recorders, run_layers
 from .common import MoEPreTrainedModel
 from .configuration_seq2seq_moe import Seq2SeqMoEConfig
 from .inputs import check_ids, check_tokens, routing_token_mask
-from .loss import is_target, lm_targets, model_loss
+from .loss import is_target, lm_targets, model_loss, router_losses_wanted
 from .norms import build_norm
 
 
@@ -421,6 +419,26 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
     def set_input_embeddings(self, new_embeddings):
         self.shared = self.encoder.embed_tokens = self.decoder.embed_tokens = new_embeddings
 
+    def decode(
+        self,
+        encoder_hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        decoder_input_ids: torch.LongTensor | None = None,
+        decoder_attention_mask: torch.Tensor | None = None,
+        decoder_inputs_embeds: torch.Tensor | None = None,
+        decoder_token_mask: torch.Tensor | None = None,
+        **kwargs,
+    ) -> Seq2SeqMoEStackOutput:
+        """The decoder stack on the encoder's output [B, S, H], the model's arguments given the decoder's names
+        (attention_mask is the encoder's); `kwargs` go to the decoder as they are (cache, use_cache,
+        compute_router_losses, router_expert_ids, output flags). `forward` calls it, and so does a pipeline stage that
+        holds decoder layers (hf_ppmoe.parallel.pipeline)."""
+        return self.decoder(
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
+            encoder_hidden_states=encoder_hidden_states, encoder_attention_mask=attention_mask,
+            token_mask=decoder_token_mask, **kwargs,
+        )
+
     @model_forward
     def forward(
         self,
@@ -452,18 +470,10 @@ class Seq2SeqMoEModel(Seq2SeqMoEPreTrainedModel):
             )
         elif isinstance(encoder_outputs, (tuple, list)):  # return_dict=False style: (last_hidden_state, ...)
             encoder_outputs = Seq2SeqMoEStackOutput(last_hidden_state=encoder_outputs[0])
-        decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask,
-            inputs_embeds=decoder_inputs_embeds,
-            cache=cache,
-            use_cache=use_cache,
-            token_mask=decoder_token_mask,
-            compute_router_losses=compute_router_losses,
-            router_expert_ids=decoder_router_expert_ids,
-            **kwargs,
+        decoder_outputs = self.decode(
+            encoder_outputs.last_hidden_state, attention_mask, decoder_input_ids, decoder_attention_mask,
+            decoder_inputs_embeds, decoder_token_mask, cache=cache, use_cache=use_cache,
+            compute_router_losses=compute_router_losses, router_expert_ids=decoder_router_expert_ids, **kwargs,
         )
         aux_loss, z_loss = combine_router_losses(
             (getattr(encoder_outputs, "router_losses", None), self.encoder.num_moe_layers),
@@ -487,13 +497,15 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
 
     _tied_weights_keys = {"lm_head.weight": "model.shared.weight"}
     _auto_classes = {"AutoModel": "Seq2SeqMoEModel", "AutoModelForSeq2SeqLM": "Seq2SeqMoEForConditionalGeneration"}
-    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _tp_plan = {"lm_head": "colwise_gathered"}  # hf_ppmoe.parallel: gathered logits, not a view
 
     def __init__(self, config: Seq2SeqMoEConfig):
         super().__init__(config)
         self.model = Seq2SeqMoEModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+        # `loss_function`: the decoder predicts its labels as they are (no causal shift), Transformers' masked-LM loss
+        self.loss_type = "ForMaskedLM"
 
     def init_continuous_batching(self, *args, **kwargs):
         """Transformers' continuous batching (`generate_batch`, `transformers serve --continuous-batching`) packs
@@ -555,14 +567,14 @@ class Seq2SeqMoEForConditionalGeneration(Seq2SeqMoEPreTrainedModel, MoEGeneratio
             decoder_inputs_embeds=decoder_inputs_embeds,
             use_cache=use_cache,
             decoder_token_mask=is_target(labels) if labels is not None else None,
-            compute_router_losses=compute_router_losses if labels is None else losses_wanted(compute_router_losses, labels=True),
+            compute_router_losses=router_losses_wanted(compute_router_losses, labels),
             **kwargs,
         )
         logits = self.lm_logits(out.last_hidden_state)
 
         losses = {}
         if labels is not None:
-            lm_loss = ForMaskedLMLoss(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
+            lm_loss = self.loss_function(logits, labels.contiguous(), self.config.vocab_size, num_items_in_batch=num_items_in_batch)
             targets = lm_targets(labels, causal=False)
             losses = model_loss(lm_loss, targets, num_items_in_batch, self.config, out.aux_loss, out.z_loss)._asdict()
         return head_output(Seq2SeqMoELMOutput, out, logits=logits, **losses)

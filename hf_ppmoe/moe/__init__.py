@@ -4,7 +4,7 @@ from .balance import LoadBalancer, bias_update
 from .experts import EXPERTS_FUNCTIONS, MLP, Experts, einsum_experts, index_experts
 from .kernels import CAPABILITIES, capability_table
 from .gates import GATES, Gate, GShardGate, PrototypeGate, SwitchGate, TopKGate, get_gate_class, register_gate
-from .layer import MoELayer, TokenDispatcher
+from .layer import MoELayer
 from .losses import balance_loss, losses_wanted, route_fractions, router_loss, router_z_loss
 from .observe import ROUTING_INDEX, RoutingHooks
 from .routing import Routing, capacity_for, group_size_for, positions_in_expert
@@ -24,7 +24,6 @@ __all__ = [
     "Routing",
     "RoutingHooks",
     "SwitchGate",
-    "TokenDispatcher",
     "TopKGate",
     "capability_table",
     "capacity_for",

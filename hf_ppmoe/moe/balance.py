@@ -60,11 +60,10 @@ class LoadBalancer:
     which are training state and not saved with the model, and the counts not yet used)."""
 
     def __init__(self, model: torch.nn.Module, rate: float | None = None):
-        config = getattr(model, "config", None)
-        self.rate = rate if rate is not None else getattr(config, "router_bias_update_rate", 0.001)
+        self.rate = rate if rate is not None else model.config.router_bias_update_rate
         self.hooks = RoutingHooks(model, self._add)
         self.layers: dict[str, MoELayer] = {n: layer for n, layer in self.hooks.layers.items() if needs_balancing(layer)}
-        self.counts: dict[str, torch.Tensor] = {}  # per layer [2E + 1]: received, assigned, tokens
+        self.counts: dict[str, torch.Tensor] = {}  # per layer [2E + 1]: received, assigned, tokens (global-batch only)
 
     def keep_only(self, module: torch.nn.Module) -> None:
         """Forget the layers `module` does not hold (a pipeline stage)."""
@@ -75,10 +74,15 @@ class LoadBalancer:
         layer = self.layers.get(name)
         if layer is None or routing.tokens_per_expert is None or not layer.training:
             return
+        E = layer.gate.num_experts
         with torch.no_grad():
-            counts = torch.cat([routing.tokens_per_expert, routing.assigned_per_expert, routing.num_tokens.view(1)])
-            counts = counts.float()
-            self.counts[name] = counts if name not in self.counts else self.counts[name] + counts
+            if name not in self.counts:
+                self.counts[name] = torch.zeros(2 * E + 1, dtype=torch.float32, device=routing.tokens_per_expert.device)
+            counts = self.counts[name]
+            counts[:E] += routing.tokens_per_expert
+            if routing.assigned_per_expert is not None:  # counted by the "global_batch" loss scope only
+                counts[E : 2 * E] += routing.assigned_per_expert
+                counts[2 * E] += routing.num_tokens
 
     def pending(self) -> torch.Tensor:
         """[L, 2E + 1] this process's counts since the last step, every layer in `layers` order (zeros for a layer

@@ -12,10 +12,13 @@ CHANGELOG.md, Generation, 2026-11-22.
 It is called with the experts contract `(hidden_states [T, H], expert_ids [T, K], weights [T, K])` — Transformers'
 `forward(hidden_states, top_k_index, top_k_weights)`; ids equal to `num_experts` are skipped. The kernel is the
 model's `experts_implementation`, as Transformers names it (`config._experts_implementation`,
-`from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation(...)`); ours, "index" and
-"einsum", are registered by name in Transformers' `ExpertsInterface`. `Experts.forward` looks the implementation up
-in one registry, `EXPERTS_FUNCTIONS` (Transformers' `ExpertsInterface` with our internal forms added), by the name
-`Experts.implementation` gives for the call:
+`from_pretrained(..., experts_implementation=...)`, `model.set_experts_implementation(...)`). `Experts.forward` looks
+the implementation up in one registry, `EXPERTS_FUNCTIONS` (Transformers' `ExpertsInterface` with ours added), by the
+name `Experts.implementation` gives for the call. Ours ("index", "einsum" and the forms the table picks) read this
+module's weights and config, so they are registered there only, not in Transformers' global `ExpertsInterface`, where
+Transformers' own experts modules would find them; our models accept their names
+(`MoEPreTrainedModel.get_correct_experts_implementation`).
+
 
 - `"index"` (PPMoE Algorithm 1, the default; also Transformers' "eager", the module's own): the capability table (`kernels.CAPABILITIES`) picks
   `index_kernel` / `index_loop` (sort the routes by expert once, gather, two grouped GEMMs, gather back, weight:
@@ -24,7 +27,8 @@ in one registry, `EXPERTS_FUNCTIONS` (Transformers' `ExpertsInterface` with our 
 - `"einsum"` (GShard Algorithm 2): one-hot dispatch and combine tensors [G, S, E, C] and batched einsums
   over a static per-expert buffer. Memory and time grow with E * C; kept as the reference formulation.
 - any name registered in Transformers' `ExpertsInterface` (`grouped_mm`, `batched_mm`, ...): their kernels run on
-  our weights unchanged; `grouped_mm` only where the table gives torch's kernel (else the table's choice).
+  our weights unchanged; `grouped_mm` only where the table gives torch's kernel, else the table's choice, with one
+  warning that says why (sizes off the kernel's 16-byte rule, float64, ...).
 
 All give the same numbers for the same routing.
 """
@@ -40,10 +44,14 @@ from torch import nn
 from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ExpertsInterface
+from transformers.utils import logging
 
 from ..utils.transformers_private import mark_expert_parallel
 from .kernels import aligned, autocast_dtype, capability, device_capability, grouped_mm, warn_if_no_grouped_mm
+from .quantized import quantized_weight
 from .routing import capacity_in_mode, group_size_for, positions_in_expert
+
+logger = logging.get_logger(__name__)
 
 
 class MLP(nn.Module):
@@ -85,7 +93,7 @@ class Experts(nn.Module):
             else:
                 self.up_proj_bias = nn.Parameter(torch.zeros(E, I))
             self.down_proj_bias = nn.Parameter(torch.zeros(E, H))
-        self.initializer_range = getattr(config, "initializer_range", 0.02)
+        self.initializer_range = config.initializer_range
         self.reset_parameters()
         self.act_fn = ACT2FN[config.hidden_act]
         self.swiglu = self.has_gate and config.hidden_act in ("silu", "swish")
@@ -142,19 +150,22 @@ class Experts(nn.Module):
     def experts_implementation(self) -> str:
         """The kernel chosen for the model (`config._experts_implementation`): "index" when none was chosen (a layer
         built outside a model) or Transformers' "eager" (the module's own forward) was."""
-        name = getattr(self.config, "_experts_implementation", None)
+        name = self.config._experts_implementation
         return "index" if name in (None, "eager") else name
 
     def implementation(self, hidden_states: torch.Tensor, expert_ids: torch.Tensor) -> str:
         """The name in `EXPERTS_FUNCTIONS` that runs this call. "index": the capability table's choice
         (`kernels.CAPABILITIES`); Transformers' `grouped_mm` where the table gives torch's kernel, else the table's
-        choice too (float64, sizes off the kernel's 16-byte rule, ...); any other name as set."""
+        choice too, said once (`warn_grouped_mm_fallback`); any other name as set."""
         name = self.experts_implementation
         if name == "grouped_mm" and table_choice(self, hidden_states, expert_ids, grad=True) == "index_kernel":
             return "grouped_mm"
-        if name in ("index", "grouped_mm"):
-            return table_choice(self, hidden_states, expert_ids, torch.is_grad_enabled())
-        return name
+        if name not in ("index", "grouped_mm"):
+            return name
+        choice = table_choice(self, hidden_states, expert_ids, torch.is_grad_enabled())
+        if name == "grouped_mm":
+            warn_grouped_mm_fallback(self, hidden_states, choice)
+        return choice
 
 
 def table_choice(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, grad: bool) -> str:
@@ -165,6 +176,25 @@ def table_choice(experts: Experts, x: torch.Tensor, expert_ids: torch.Tensor, gr
     ok = aligned(dtype, experts.hidden_dim, experts.intermediate_dim)
     row = capability(device.type, device_capability(device), dtype, torch.compiler.is_compiling(), grad, T, T * K, ok)
     return row.implementation
+
+
+def warn_grouped_mm_fallback(experts: Experts, x: torch.Tensor, choice: str) -> None:
+    """Say once why `experts_implementation="grouped_mm"` runs the table's `choice` instead of torch's kernel. Not
+    while torch.compile traces (logging would break the graph): the eager runs say it."""
+    if torch.compiler.is_compiling():
+        return
+    dtype = autocast_dtype(x.device.type) or x.dtype
+    H, I = experts.hidden_dim, experts.intermediate_dim
+    if not aligned(dtype, H, I):
+        why = (f"its kernel needs rows of a multiple of 16 bytes, and hidden_size={H} or the experts' intermediate "
+               f"size {I} in {str(dtype).removeprefix('torch.')} is not")
+    else:
+        why = (f"torch's kernel does not run {str(dtype).removeprefix('torch.')} on {x.device.type} here "
+               "(hf_ppmoe.moe.kernels.CAPABILITIES)")
+    logger.warning_once(
+        f'experts_implementation="grouped_mm": {why}; the experts run hf_ppmoe\'s "{choice}" implementation '
+        "instead, which computes the same."
+    )
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -338,13 +368,21 @@ def cpu_decode(experts, x, expert_ids, weights):
 
 
 def _one_expert(experts, x, e):
-    """Expert e on the rows x, straight from the stored (output-first) weights, cast to x's dtype where they differ."""
-    w_in, w_out = experts.in_proj[e], experts.down_proj[e]
+    """Expert e on the rows x, straight from the stored (output-first) weights, cast to x's dtype where they differ
+    (quantized weights: expert e alone dequantized, `hf_ppmoe.moe.quantized`)."""
+    in_name = "gate_up_proj" if experts.has_gate else "up_proj"
+    w_in, w_out = _expert_matrix(experts, in_name, e), _expert_matrix(experts, "down_proj", e)
     b_in, b_out = (experts.in_proj_bias[e], experts.down_proj_bias[e]) if experts.has_bias else (None, None)
     if w_in.dtype != x.dtype:  # autocast: only the experts in use are cast
         w_in, w_out = w_in.to(x.dtype), w_out.to(x.dtype)
         b_in, b_out = (None, None) if b_in is None else (b_in.to(x.dtype), b_out.to(x.dtype))
     return F.linear(experts._activate(F.linear(x, w_in, b_in)), w_out, b_out)
+
+
+def _expert_matrix(experts, name: str, e: int) -> torch.Tensor:
+    """Expert e's [O, I] matrix of the stacked weight `name`; from quantized storage, that expert alone dequantized."""
+    storage = quantized_weight(experts, name)
+    return getattr(experts, name)[e] if storage is None else storage.dequantize_expert(e)
 
 
 def _parameters(experts: Experts, dtype: torch.dtype):
@@ -427,16 +465,17 @@ def _einsum_by_config(experts, x, expert_ids, weights):
     return einsum_experts(experts, x, expert_ids, weights, group_size_for(len(x), experts.config.router_num_groups))
 
 
-# Ours, by name, in Transformers' own registry (`ExpertsInterface.register`): `from_pretrained(...,
-# experts_implementation="einsum")` and `set_experts_implementation` accept them as they accept "grouped_mm".
+# The names a user chooses among ours: our models accept them besides Transformers' (`from_pretrained(...,
+# experts_implementation="einsum")`, `set_experts_implementation`).
 EXPERTS_IMPLEMENTATIONS = ("index", "einsum")
-ExpertsInterface.register("index", index_experts)
-ExpertsInterface.register("einsum", _einsum_by_config)
 
-# One registry for `Experts.forward`: Transformers' experts implementations (`grouped_mm`, `batched_mm`, ...), ours, and
-# the forms the capability table picks between (not names a user chooses, so kept out of Transformers' registry).
+# One registry for `Experts.forward`: Transformers' experts implementations (`grouped_mm`, `batched_mm`, ...), ours,
+# and the forms the capability table picks between. A local one: ours read `Experts`' weights and config, so
+# Transformers' global `ExpertsInterface`, which its own experts modules read, does not list them.
 EXPERTS_FUNCTIONS = ExpertsInterface()
 EXPERTS_FUNCTIONS.update(
+    index=index_experts,
+    einsum=_einsum_by_config,
     index_kernel=index_kernel,
     index_loop=index_loop,
     all_experts=all_experts,

@@ -20,11 +20,14 @@ a few lines:
 
 and, when the load-balancing loss should count routes other than "1/K for each route", `assignment`.
 
-Config attributes read: `hidden_size`, `num_experts`, `num_experts_per_tok`, `capacity_factor`,
-`eval_capacity_factor`, `router_num_groups`, `router_jitter_noise`, `router_dtype`, `router_aux_loss_scope`,
-`router_expert_bias` (optional), and per gate `router_random_routing` and `router_random_routing_takes_capacity`
-(gshard), `norm_topk_prob`, `topk_weighting`, `router_score_function`, `routed_scaling_factor`, `num_expert_groups`
-and `topk_expert_groups` (topk).
+Config attributes read (their defaults are `hf_ppmoe.modeling.configuration_moe.MoEConfig`'s): `hidden_size`,
+`initializer_range`, `num_experts`, `num_experts_per_tok`, `capacity_factor`, `eval_capacity_factor`,
+`router_num_groups`, `router_jitter_noise`, `router_dtype`, `router_aux_loss_scope`, `router_expert_bias`, and per gate
+`router_random_routing` and `router_random_routing_takes_capacity` (gshard), `norm_topk_prob`, `topk_weighting`,
+`router_score_function`, `routed_scaling_factor`, `num_expert_groups` and `topk_expert_groups` (topk).
+
+"Group" alone means GShard's token groups (`router_num_groups`: capacity and the aux loss are per group); DeepSeek's
+groups of experts are always "expert groups".
 
 Two buffers a gate may hold, neither a parameter: `expert_bias` [E] (with `router_expert_bias`: added to the scores
 to choose experts, never to the weights; saved with the model) and `global_fraction` [E] (with
@@ -32,12 +35,12 @@ to choose experts, never to the weights; saved with the model) and `global_fract
 global batch; training state). `hf_ppmoe.moe.balance.LoadBalancer` updates both after each optimizer step.
 
 Randomness (jitter, GShard random routing) only happens in training and draws from `self.generator` when one is
-set (else the default generator), so tensor-parallel ranks that share a seed draw the same numbers.
+set (else the default generator). A layout whose ranks route the same tokens (tensor parallelism) sets
+`generator_seed` alike on every rank: the gate then makes its generator from it, on its input's device, at its first
+draw, so those ranks draw the same numbers.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -94,17 +97,17 @@ class Gate(nn.Module):
         self.eval_capacity_factor = config.eval_capacity_factor
         self.num_groups = config.router_num_groups
         self.jitter_noise = config.router_jitter_noise
-        self.float32_router = getattr(config, "router_dtype", None) == "float32"
-        self.aux_loss_scope = getattr(config, "router_aux_loss_scope", "micro_batch")
+        self.float32_router = config.router_dtype == "float32"
+        self.aux_loss_scope = config.router_aux_loss_scope
         self.weight = nn.Parameter(torch.empty(E, config.hidden_size))
-        self.initializer_range = getattr(config, "initializer_range", 0.02)
+        self.initializer_range = config.initializer_range
         self.reset_parameters()
-        bias = getattr(config, "router_expert_bias", False)
+        bias = config.router_expert_bias
         self.register_buffer("expert_bias", torch.zeros(E, dtype=torch.float32) if bias else None)
         scope = self.aux_loss_scope == "global_batch"
         self.register_buffer("global_fraction", torch.zeros(E, dtype=torch.float32) if scope else None, persistent=False)
         self.generator: torch.Generator | None = None
-        self._given: dict = {}
+        self.generator_seed: int | None = None  # see the module docstring: randomness
 
     def reset_parameters(self) -> None:
         """Normal(0, initializer_range) router weight: the one place it is written (the model's `_init_weights` calls
@@ -122,7 +125,7 @@ class Gate(nn.Module):
     @classmethod
     def check_config(cls, config) -> None:
         """Raise ValueError for settings this gate cannot work with (called when a model config is built)."""
-        if getattr(config, "router_expert_bias", False) and not cls.supports_expert_bias:
+        if config.router_expert_bias and not cls.supports_expert_bias:
             raise ValueError(
                 f"router_expert_bias=True (aux-loss-free balancing) needs a gate that chooses experts by scores plus a "
                 f"bias; router_type={cls.router_type!r} does not. Use router_type='topk' (softmax or sigmoid scores)."
@@ -154,7 +157,7 @@ class Gate(nn.Module):
 
     def load_balancing_loss(self, probs, fraction, token_mask, group_size):
         """The aux loss (GShard's, `losses.balance_loss`) from probs [T, E] and the routed fraction [G, E] of each
-        group's tokens per expert; a gate may average it over its own groups of experts."""
+        group's tokens per expert; a gate may average it over its own sets of experts (prototypes)."""
         return balance_loss(probs, fraction, token_mask, group_size)
 
     def z_loss(self, logits, token_mask):
@@ -162,20 +165,11 @@ class Gate(nn.Module):
         return router_z_loss(logits, token_mask)
 
     def _uniform(self, shape, device) -> torch.Tensor:
+        if self.generator is None and self.generator_seed is not None:
+            self.generator = torch.Generator(device).manual_seed(self.generator_seed)
         return torch.rand(shape, device=device, generator=self.generator)
 
     # -- the steps of forward -------------------------------------------------------------------------------------
-
-    @contextmanager
-    def given(self, *, expert_ids: torch.Tensor | None = None, sequence_length: int | None = None):
-        """What the layer knows and the gate's caller may not pass: the routes to replay ([T, K]) and the sequence
-        length (for `router_aux_loss_scope="sequence"`). `MoELayer` enters this around its dispatcher, so that every
-        dispatcher (local, PPMoE, all-to-all) calls the gate with the same three arguments."""
-        saved, self._given = self._given, {"expert_ids": expert_ids, "sequence_length": sequence_length}
-        try:
-            yield
-        finally:
-            self._given = saved
 
     def apply_input_jitter(self, x: torch.Tensor) -> torch.Tensor:
         """Multiplicative jitter (Switch Transformer) in training, on a copy: the caller's tensor is never modified."""
@@ -230,20 +224,18 @@ class Gate(nn.Module):
         """hidden_states [T, H], token_mask [T] (False for padding) -> Routing. The losses and statistics are
         computed when `compute_losses` says so, by default when gradients are on (`losses.losses_wanted`).
         expert_ids [T, K]: router replay (the routes are these; weights, capacity and padding as usual).
-        sequence_length: tokens per sequence (for the "sequence" aux-loss scope). Both default to `given`'s."""
-        expert_ids = self._given.get("expert_ids") if expert_ids is None else expert_ids
-        sequence_length = self._given.get("sequence_length") if sequence_length is None else sequence_length
+        sequence_length: tokens per sequence (for the "sequence" aux-loss scope)."""
         T, E = hidden_states.shape[0], self.num_experts
         logits = self.gating(self.apply_input_jitter(hidden_states))  # [T, E]
         selected, weights, probs = self.routing(logits, expert_ids)
-        chosen, weights = self.mask_padding(selected, weights, token_mask)
+        real_routes, weights = self.mask_padding(selected, weights, token_mask)
         group_size = group_size_for(T, self.num_groups)
-        capacity = self.capacity(chosen.shape[1], group_size)
-        routed, weights = self.apply_capacity(logits, chosen, weights, token_mask, group_size, capacity)
+        capacity = self.capacity(real_routes.shape[1], group_size)
+        routed, weights = self.apply_capacity(logits, real_routes, weights, token_mask, group_size, capacity)
         routing = Routing(routed, weights, logits, E, group_size, capacity)
         if not losses_wanted(compute_losses):
             return routing
-        return self.statistics_and_losses(routing, chosen, selected, probs, token_mask, sequence_length)
+        return self.statistics_and_losses(routing, real_routes, selected, probs, token_mask, sequence_length)
 
     def loss_group_size(self, num_tokens: int, group_size: int, sequence_length: int | None) -> int:
         """Tokens per group of the load-balancing loss: GShard's groups ("micro_batch"), each sequence ("sequence"),
@@ -254,10 +246,11 @@ class Gate(nn.Module):
             return num_tokens
         return group_size
 
-    def statistics_and_losses(self, routing: Routing, chosen, selected, probs, token_mask, sequence_length) -> Routing:
-        """The Routing with its statistics (routes received, dropped fraction, what the balance loss counted) and
-        losses (aux as `router_aux_loss_scope` says, z). chosen: the routes after padding, before capacity;
-        selected: before padding."""
+    def statistics_and_losses(self, routing: Routing, real_routes, selected, probs, token_mask, sequence_length) -> Routing:
+        """The Routing with its statistics (routes received, dropped fraction) and losses (aux as
+        `router_aux_loss_scope` says, z). real_routes: the real tokens' routes before capacity (padding removed);
+        selected: before padding. The "global_batch" scope also returns what its loss counted (`assigned_per_expert`,
+        `num_tokens`), which `balance.LoadBalancer` sums over the step; no other scope counts them."""
         E, T = self.num_experts, routing.expert_ids.shape[0]
         device = routing.expert_ids.device
         with torch.no_grad():  # routes each expert received (real tokens, after capacity): counted, not one-hot
@@ -265,14 +258,17 @@ class Gate(nn.Module):
             if routing.capacity is None and token_mask is None:
                 dropped_fraction = torch.zeros((), device=device)
             else:
-                num_chosen = (chosen < E).sum()
-                dropped_fraction = (num_chosen - received[:E].sum()) / num_chosen.clamp(min=1)
-            routes, share = self.assignment(selected)
-            mask = None if token_mask is None else token_mask.view(T, 1).expand(routes.shape).reshape(-1)
-            assigned = route_counts(routes.reshape(-1), E + 1, torch.float32, mask)[:E] * share
-            num_tokens = torch.full((), float(T), device=device) if token_mask is None else token_mask.float().sum()
+                num_real_routes = (real_routes < E).sum()
+                dropped_fraction = (num_real_routes - received[:E].sum()) / num_real_routes.clamp(min=1)
+        routes, share = self.assignment(selected)
         group = self.loss_group_size(T, routing.group_size, sequence_length)
+        counted = {}
         if self.aux_loss_scope == "global_batch":
+            with torch.no_grad():
+                mask = None if token_mask is None else token_mask.view(T, 1).expand(routes.shape).reshape(-1)
+                assigned = route_counts(routes.reshape(-1), E + 1, torch.float32, mask)[:E] * share
+                num_tokens = torch.full((), float(T), device=device) if token_mask is None else token_mask.float().sum()
+            counted = dict(assigned_per_expert=assigned, num_tokens=num_tokens)
             # the last step's global-batch fraction once there is one (the first step: this input's)
             local = (assigned / num_tokens.clamp(min=1)).unsqueeze(0)
             fraction = torch.where(self.global_fraction.sum() > 0, self.global_fraction.unsqueeze(0), local)
@@ -285,8 +281,7 @@ class Gate(nn.Module):
             z_loss=self.z_loss(routing.router_logits, token_mask),
             tokens_per_expert=received[:E],
             dropped_fraction=dropped_fraction,
-            assigned_per_expert=assigned,
-            num_tokens=num_tokens,
+            **counted,
         )
 
 
@@ -321,19 +316,24 @@ class TopKGate(Gate):
     sigmoid(W x) on its own; the balance loss reads them normalised to sum to one over the experts, as DeepSeek-V3's
     sequence-wise loss does). With `router_expert_bias` the experts are chosen by scores + `expert_bias` while the
     weights stay the scores themselves (DeepSeek-V3's aux-loss-free balancing). With `num_expert_groups` N > 1 the
-    experts form N groups of E/N consecutive experts; a group's score is the sum of its two best choice scores, and a
-    token's experts come from its `topk_expert_groups` best groups (DeepSeek-V3's group-limited routing)."""
+    experts form N expert groups of E/N consecutive experts; an expert group's score is the sum of its two best choice
+    scores, and a token's experts come from its `topk_expert_groups` best expert groups (DeepSeek-V3's group-limited
+    routing)."""
 
     supports_expert_bias = True
 
     def __init__(self, config):
         super().__init__(config)
         self.normalize = config.norm_topk_prob
-        self.weighting = getattr(config, "topk_weighting", "probs")
-        self.score_function = getattr(config, "router_score_function", "softmax")
-        self.scaling = getattr(config, "routed_scaling_factor", 1.0)
-        self.expert_groups = getattr(config, "num_expert_groups", 1)
-        self.topk_groups = getattr(config, "topk_expert_groups", None) or self.expert_groups
+        self.weighting = config.topk_weighting
+        self.score_function = config.router_score_function
+        self.scaling = config.routed_scaling_factor
+        self.num_expert_groups, self.topk_expert_groups = self.expert_groups(config)
+
+    @staticmethod
+    def expert_groups(config) -> tuple[int, int]:
+        """(num_expert_groups, topk_expert_groups) of `config`; topk_expert_groups None means every expert group."""
+        return config.num_expert_groups, config.topk_expert_groups or config.num_expert_groups
 
     def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [T, E] -> (scores [T, E] the weights are taken from, probs [T, E] of the balance loss), float32."""
@@ -344,41 +344,41 @@ class TopKGate(Gate):
         return probs, probs
 
     def choose(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores [T, E] -> expert_ids [T, K]: top-k of scores + expert_bias, within the token's best groups."""
+        """scores [T, E] -> expert_ids [T, K]: top-k of scores + expert_bias, within the token's best expert groups."""
         choice = scores if self.expert_bias is None else scores + self.expert_bias
-        if self.expert_groups > 1:
-            choice = self.limit_to_groups(choice)
+        if self.num_expert_groups > 1:
+            choice = self.limit_to_expert_groups(choice)
         return choice.topk(self.top_k, dim=-1).indices
 
-    def limit_to_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """choice [T, E] with the experts outside each token's `topk_expert_groups` best groups set to -inf."""
-        T, E, N = choice.shape[0], self.num_experts, self.expert_groups
-        grouped = choice.view(T, N, E // N)
-        group_scores = grouped.topk(min(2, E // N), dim=-1).values.sum(dim=-1)  # [T, N]
-        best = group_scores.topk(self.topk_groups, dim=-1).indices
+    def limit_to_expert_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """choice [T, E] with the experts outside each token's `topk_expert_groups` best expert groups set to -inf."""
+        T, E, N = choice.shape[0], self.num_experts, self.num_expert_groups
+        by_expert_group = choice.view(T, N, E // N)
+        expert_group_scores = by_expert_group.topk(min(2, E // N), dim=-1).values.sum(dim=-1)  # [T, N]
+        best = expert_group_scores.topk(self.topk_expert_groups, dim=-1).indices
         keep = torch.zeros(T, N, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
-        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
+        return by_expert_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(T, E)
 
-    def weigh(self, scores: torch.Tensor, expert_ids: torch.Tensor, chosen: torch.Tensor | None = None) -> torch.Tensor:
+    def weigh(self, scores: torch.Tensor, expert_ids: torch.Tensor, top_scores: torch.Tensor | None = None):
         """The combine weights [T, K] of the routes expert_ids [T, K] (sentinel: 0), from the unbiased scores;
-        `chosen`: those scores at expert_ids when the caller has them (no sentinel among the ids then)."""
-        weights = gather_routes(scores, expert_ids) if chosen is None else chosen
+        `top_scores`: those scores at expert_ids when the caller has them (no sentinel among the ids then)."""
+        weights = gather_routes(scores, expert_ids) if top_scores is None else top_scores
         if self.weighting == "m6t":  # M6-T Eq. (1): p = softmax(g), g = topk(softmax(W x))
-            if chosen is None:  # a sentinel route gets 0
+            if top_scores is None:  # a sentinel route gets 0
                 weights = weights.masked_fill(expert_ids >= self.num_experts, float("-inf"))
                 weights = weights.softmax(dim=-1).nan_to_num(0.0)
             else:
                 weights = weights.softmax(dim=-1)
-        elif self.normalize:  # chosen scores are positive; replayed routes may all be the sentinel (sum 0)
+        elif self.normalize:  # top scores are positive; replayed routes may all be the sentinel (sum 0)
             total = weights.sum(dim=-1, keepdim=True)
-            weights = weights / (total if chosen is not None else total.clamp(min=1e-20))
+            weights = weights / (total if top_scores is not None else total.clamp(min=1e-20))
         return weights * self.scaling if self.scaling != 1.0 else weights
 
     def select(self, logits):
         scores, probs = self.scores(logits)
-        if self.expert_bias is None and self.expert_groups == 1:  # the top-k values are the chosen scores
-            chosen, experts = scores.topk(self.top_k, dim=-1)
-            return experts, self.weigh(scores, experts, chosen), probs
+        if self.expert_bias is None and self.num_expert_groups == 1:  # the top-k values are the weights' scores
+            top_scores, experts = scores.topk(self.top_k, dim=-1)
+            return experts, self.weigh(scores, experts, top_scores), probs
         experts = self.choose(scores)
         return experts, self.weigh(scores, experts), probs
 
@@ -389,13 +389,12 @@ class TopKGate(Gate):
     @classmethod
     def check_config(cls, config):
         super().check_config(config)
-        E, N = config.num_experts, getattr(config, "num_expert_groups", 1)
-        topk_groups = getattr(config, "topk_expert_groups", None) or N
-        if N > 1 and (E % N or not 1 <= topk_groups <= N or config.num_experts_per_tok > topk_groups * (E // N)):
+        E, (N, topk) = config.num_experts, cls.expert_groups(config)
+        if N > 1 and (E % N or not 1 <= topk <= N or config.num_experts_per_tok > topk * (E // N)):
             raise ValueError(
-                f"num_expert_groups={N}, topk_expert_groups={topk_groups}: the groups must divide num_experts={E}, "
-                f"1 <= topk_expert_groups <= num_expert_groups, and the chosen groups must hold num_experts_per_tok="
-                f"{config.num_experts_per_tok} experts."
+                f"num_expert_groups={N}, topk_expert_groups={topk}: the expert groups must divide num_experts={E}, "
+                f"1 <= topk_expert_groups <= num_expert_groups, and the chosen expert groups must hold "
+                f"num_experts_per_tok={config.num_experts_per_tok} experts."
             )
 
 
@@ -412,7 +411,7 @@ class GShardGate(Gate):
     def __init__(self, config):
         super().__init__(config)
         self.random_routing = config.router_random_routing
-        self.skipped_routes_take_capacity = getattr(config, "router_random_routing_takes_capacity", False)
+        self.skipped_routes_take_capacity = config.router_random_routing_takes_capacity
 
     @classmethod
     def check_config(cls, config):

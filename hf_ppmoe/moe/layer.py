@@ -1,11 +1,14 @@
-"""`MoELayer` = gate + experts (+ optional shared expert): a drop-in replacement for a dense FFN.
+"""`MoELayer` = gate, then experts (then the optional shared expert): a drop-in replacement for a dense FFN.
 
-          hidden_states [B, S, H] ──flatten──> x [T, H]
-                                                │
-        dispatcher:  route: gate(x, token_mask) ──> Routing: expert_ids [T, K], weights [T, K], losses
-                     dispatch ──> experts(x, expert_ids, weights)   (compute: sum_k w_k * expert_{id_k}(x))
-                     combine ──> [T, H]                                          (+ shared_expert(x))
-                                 output [B, S, H], Routing
+    hidden_states [B, S, H] ──flatten──> x [T, H]
+        gate(x, token_mask)               ──> Routing: expert_ids [T, K], weights [T, K], router logits, losses
+        experts(x, expert_ids, weights)   ──> [T, H]: each token's sum_k w_k * expert_{id_k}(x)
+        + shared_expert(x)                    (when the config has one)
+    output [B, S, H], Routing
+
+The experts take Transformers' experts contract, `forward(hidden_states, top_k_index, top_k_weights) -> [T, H]`.
+A parallel layout wraps the experts with that same contract (hf_ppmoe.parallel.expert_parallel: PPMoE's index slice
+and one all-reduce, Transformers' all-to-all), so this forward reads the same on one device and on many.
 
 A dropped route contributes nothing, so an overflowed token leaves the layer as zeros and passes through the
 model's residual connection, as in GShard.
@@ -21,43 +24,15 @@ from .gates import get_gate_class
 from .routing import Routing
 
 
-class TokenDispatcher(nn.Module):
-    """How a layer's routed tokens reach its experts and come back, in the four steps a reader can follow:
-    route (the gate) -> dispatch (what the experts receive) -> compute (the experts) -> combine (their output back to
-    the layer's tokens). The experts' contract is Transformers' (`forward(hidden_states, top_k_index,
-    top_k_weights)` -> [T, H]): they return each token's routing-weighted sum over its K routes, so combine has only
-    the experts' placement to undo. This one keeps every step on this device (combine has nothing to bring back). A
-    parallel layout puts its own in the layer's `dispatcher` slot, where `print(model)` shows it
-    (hf_ppmoe.parallel.expert_parallel: PPMoE's dispatch into the tensor-parallel group and its one-all-reduce
-    combine, and the all-to-all across data-parallel ranks)."""
-
-    def forward(self, layer: MoELayer, x: torch.Tensor, token_mask: torch.Tensor | None, compute_losses: bool | None):
-        routing = self.route(layer.gate, x, token_mask, compute_losses)
-        out = layer.experts(*self.dispatch(x, routing, layer.experts))  # compute
-        return self.combine(out, routing, layer.experts), routing
-
-    def route(self, gate, x, token_mask, compute_losses) -> Routing:
-        return gate(x, token_mask, compute_losses=compute_losses)
-
-    def dispatch(self, x: torch.Tensor, routing: Routing, experts: nn.Module):
-        """The experts' contract: (hidden_states [T, H], expert_ids [T, K], weights [T, K] in the hidden dtype)."""
-        return x, routing.expert_ids, routing.weights.to(x.dtype)
-
-    def combine(self, out: torch.Tensor, routing: Routing, experts: nn.Module) -> torch.Tensor:
-        """The experts' output [T, H] as the layer's: here, as it is."""
-        return out
-
-
 class MoELayer(nn.Module):
     """Gate + experts (+ shared expert) for one FFN slot (see the module docstring); the gate is the config's
-    `router_type`, the experts' kernel its `experts_implementation`, the path between them the `dispatcher`'s."""
+    `router_type`, the experts' kernel its `experts_implementation`."""
 
     def __init__(self, config):
         super().__init__()
         self.gate = get_gate_class(config.router_type)(config)
-        self.dispatcher = TokenDispatcher()
         self.experts = Experts(config)
-        shared = getattr(config, "shared_expert_intermediate_size", 0)
+        shared = config.shared_expert_intermediate_size
         self.shared_expert = MLP(config, shared) if shared else None
 
     def forward(
@@ -78,8 +53,10 @@ class MoELayer(nn.Module):
         if token_mask is not None:
             token_mask = token_mask.reshape(-1).bool()
         sequence_length = shape[-2] if len(shape) > 2 else None
-        with self.gate.given(expert_ids=expert_ids, sequence_length=sequence_length):
-            out, routing = self.dispatcher(self, x, token_mask, compute_losses)
+        routing = self.gate(
+            x, token_mask, compute_losses=compute_losses, expert_ids=expert_ids, sequence_length=sequence_length
+        )
+        out = self.experts(x, routing.expert_ids, routing.weights.to(x.dtype))
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         return out.view(shape), routing

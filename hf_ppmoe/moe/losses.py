@@ -114,12 +114,11 @@ def router_z_loss(logits: torch.Tensor, token_mask: torch.Tensor) -> torch.Tenso
 def router_loss(config, aux_loss: torch.Tensor | None, z_loss: torch.Tensor | None):
     """The router term added to the LM loss: `router_aux_loss_coef * aux_loss + router_z_loss_coef * z_loss`.
 
-    The one place this sum is written. A config without the coefficients (a dense model) or a model without router
-    losses (aux_loss None) contributes 0.
+    The one place this sum is written. A forward without router losses (aux_loss None) contributes 0.
     """
     if aux_loss is None:
         return 0.0
-    total = getattr(config, "router_aux_loss_coef", 0.0) * aux_loss
+    total = config.router_aux_loss_coef * aux_loss
     if z_loss is not None:
-        total = total + getattr(config, "router_z_loss_coef", 0.0) * z_loss
+        total = total + config.router_z_loss_coef * z_loss
     return total

@@ -9,7 +9,7 @@ imports torch.distributed).
     fully_shard_model(model, mesh)          FSDP2 over mesh's fsdp ranks (HSDP with dp replicas), after the above
     parallelize(model, mesh["tp"], ep=expert_mesh(mesh, 4).ep)   experts over 4 ranks (> tp): all-to-all
 
-`print(model)` afterwards shows the modules each style changed (`PPMoEDispatcher`, `ExpertParallelExperts`,
+`print(model)` afterwards shows the modules each style changed (`TensorParallelMoELayer`, `ExpertParallelExperts`,
 `TensorParallelLinear`, ...: modules.py). `hf_ppmoe.megatron` is the Megatron-LM
 backend through Accelerate.
 
@@ -21,18 +21,17 @@ ep_implementation="ppmoe")` (through Transformers' expert-parallel dispatch).
 from . import expert_parallel  # registers the "ppmoe" plan styles and expert-parallel implementation
 from .comm import Collective, copy_to, count_collectives, reduce_from, sum_over
 from .fsdp import clip_grad_norm_, fully_shard_model, state_bytes
-from .expert_parallel import AllToAllDispatcher, PPMoEDispatcher, PPMoEExperts
+from .expert_parallel import AllToAllWithDrops, PPMoEExperts
 from .mesh import ExpertMesh, batch_mesh, exit_distributed, expert_mesh, init_distributed, make_mesh
 from .pipeline import SCHEDULES, GPTMoEStage, Pipeline, Seq2SeqMoEStage, split_layers
 from .tensor_parallel import parallelize
 
 __all__ = [
     "SCHEDULES",
-    "AllToAllDispatcher",
+    "AllToAllWithDrops",
     "Collective",
     "ExpertMesh",
     "GPTMoEStage",
-    "PPMoEDispatcher",
     "PPMoEExperts",
     "Pipeline",
     "Seq2SeqMoEStage",

@@ -5,7 +5,7 @@ ranks (expert parallelism wider than the tensor-parallel group).
 parallelism: one FSDP group per decoder layer, the rest (embeddings, final norms, head) in the root group; HSDP on a
 (dp, fsdp) mesh with both > 1. With `parallelize(model, tp, ep=...)` (ep = k x tp) each MoE layer's experts are split
 over k tensor-parallel groups that read different batches and reached by Transformers' all-to-all
-(expert_parallel.py: `AllToAllWithDrops`, `AllToAllDispatcher`); FSDP shards each experts module over its copies
+(expert_parallel.py: `AllToAllWithDrops`); FSDP shards each experts module over its copies
 (`ExpertMesh.replicas`).
 
 docs/parallel.md says why FSDP2 rather than Transformers' or Accelerate's FSDP.

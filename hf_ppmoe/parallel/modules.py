@@ -4,8 +4,10 @@ A plan style installs its communication on a module in place; the module then al
 class that says so, as torch's FSDP2 turns a `Linear` into an `FSDPLinear`:
 
     (q_proj): TensorParallelLinear(in_features=32, out_features=32, bias=False, style='colwise', group_size=2, rank=0)
-    (dispatcher): PPMoEDispatcher(style='ppmoe_ffn', group_size=2, rank=0)
-    (experts): ExpertParallelExperts(num_experts=2, ..., style='ppmoe', group_size=2, rank=1, experts=[2, 4) of 4)
+    (mlp): TensorParallelMoELayer(
+      style='ppmoe_ffn', group_size=2, rank=1
+      (gate): TopKGate(router_type='topk', num_experts=4, top_k=2, ...)
+      (experts): ExpertParallelExperts(num_experts=2, ..., style='ppmoe', group_size=2, rank=1, experts=[2, 4) of 4)
 
 State dict keys, parameters and `isinstance` checks stay those of the original class.
 """
@@ -50,18 +52,12 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 def become(module: nn.Module, kind: type[ParallelModule], style: str, mesh: DeviceMesh, **attributes) -> nn.Module:
     """Give `module` the subclass `kind` + its class (made once per pair, e.g. `TensorParallelLinear`) and the
-    attributes `kind` reads. `kind` may also be a subclass of the module's class that adds behaviour (the
-    dispatchers of expert_parallel.py)."""
+    attributes `kind` reads."""
     cls = type(module)
     if not isinstance(module, kind):
-        if issubclass(kind, cls):
-            new = kind
-        else:
-            if (kind, cls) not in _CLASSES:
-                name = f"{kind.__name__}{cls.__name__}"
-                _CLASSES[kind, cls] = type(name, (kind, cls), {"__module__": cls.__module__})
-            new = _CLASSES[kind, cls]
-        module.__class__ = new
+        if (kind, cls) not in _CLASSES:
+            _CLASSES[kind, cls] = type(f"{kind.__name__}{cls.__name__}", (kind, cls), {"__module__": cls.__module__})
+        module.__class__ = _CLASSES[kind, cls]
     module.parallel_style, module.mesh = style, mesh
     for name, value in attributes.items():
         setattr(module, name, value)
@@ -69,13 +65,10 @@ def become(module: nn.Module, kind: type[ParallelModule], style: str, mesh: Devi
 
 
 def show_plan(model: nn.Module, plan: dict[str, str], mesh: DeviceMesh) -> None:
-    """Label every module a resolved tensor-parallel `plan` hooked, unless its style already made it (or an MoE
-    layer's dispatcher) a `ParallelModule` (PPMoE's dispatchers and experts)."""
+    """Label every module a resolved tensor-parallel `plan` hooked, unless its style already made it a
+    `ParallelModule` (an MoE layer, experts)."""
     modules = dict(model.named_modules())
     for name, style in plan.items():
         module = modules.get(name)
-        if module is None or isinstance(module, ParallelModule):
-            continue
-        if isinstance(getattr(module, "dispatcher", None), ParallelModule):  # an MoE layer: its dispatcher shows it
-            continue
-        become(module, TensorParallel, style, mesh)
+        if module is not None and not isinstance(module, ParallelModule):
+            become(module, TensorParallel, style, mesh)

@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor
-from transformers.loss.loss_utils import ForMaskedLMLoss
 
 from ..modeling.stages import cut_stack, is_held
 from ..modeling.loss import is_target, lm_targets, num_target_tokens
@@ -93,6 +92,10 @@ class _Stage(nn.Module):
         """Parameters other stages also hold, by a name every stage uses for them."""
         return {}
 
+    def loss(self, logits, labels, num_items_in_batch):
+        """The model's own LM loss (`loss_function`: causal for GPT-MoE, the labels as they are for Seq2Seq-MoE)."""
+        return self.model.loss_function(logits, labels, self.model.config.vocab_size, num_items_in_batch=num_items_in_batch)
+
 
 class GPTMoEStage(_Stage):
     """Layers `layers` of a `GPTMoEForCausalLM`, with the embeddings on the first stage and the final norm and head
@@ -137,10 +140,6 @@ class GPTMoEStage(_Stage):
             raise ValueError("decoder_attention_mask is for encoder-decoders; a GPT-MoE takes attention_mask only.")
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask}
         return (input_ids,), kwargs, num_target_tokens(lm_targets(labels, causal=True))
-
-    def loss(self, logits, labels, num_items_in_batch):
-        config = self.model.config
-        return self.model.loss_function(logits, labels, config.vocab_size, num_items_in_batch=num_items_in_batch)
 
     def example_io(self, batch: int, source_len: int, target_len: int):
         """Meta tensors shaped as this stage's inputs and outputs for microbatches of [batch, source_len]."""
@@ -211,15 +210,15 @@ class Seq2SeqMoEStage(_Stage):
             hidden, encoder_output = inputs
         if base.decoder is None:
             return self._with_router_loss(encoder_output, stacks)
-        x = {"input_ids": decoder_input_ids} if self.decoder_start else {"inputs_embeds": hidden}
-        out = base.decoder(
-            **x,
-            attention_mask=decoder_attention_mask,
-            encoder_hidden_states=encoder_output,
-            encoder_attention_mask=attention_mask,
-            token_mask=decoder_token_mask,
+        x = {"decoder_input_ids": decoder_input_ids} if self.decoder_start else {"decoder_inputs_embeds": hidden}
+        out = base.decode(
+            encoder_output,
+            attention_mask,
+            decoder_attention_mask=decoder_attention_mask,
+            decoder_token_mask=decoder_token_mask,
             use_cache=False,
             compute_router_losses=True,
+            **x,
         )
         stacks.append((out, self.moe_here["decoder"]))
         if not self.is_last:
@@ -243,9 +242,6 @@ class Seq2SeqMoEStage(_Stage):
             if mask is not None:
                 kwargs[name] = mask
         return (input_ids,), kwargs, num_target_tokens(lm_targets(labels, causal=False))
-
-    def loss(self, logits, labels, num_items_in_batch):
-        return ForMaskedLMLoss(logits, labels, self.model.config.vocab_size, num_items_in_batch=num_items_in_batch)
 
     def example_io(self, batch: int, source_len: int, target_len: int):
         config, dtype, base = self.model.config, self.model.dtype, self.model.model

@@ -5,8 +5,8 @@ distributed_config=DistributedConfig(tp_size=N))` applies, on a group you choose
 pipeline stage, a model you changed): attention heads split (q/k/v colwise, o rowwise; T5's relative bias on the same
 heads), dense FFNs and shared experts colwise / rowwise, MoE layers PPMoE (expert_parallel.py), vocabulary split
 embeddings and head; norms and routers stay replicated. Our styles "replicated_input", "replicated_grad_sum",
-"head_sharded_bias" and "ppmoe_ffn" (an MoE layer's PPMoE dispatcher) are registered here; docs/parallel.md says
-what each saves.
+"head_sharded_bias", "colwise_gathered" (the head) and "ppmoe_ffn" (an MoE layer's replicated router) are registered
+here; docs/parallel.md says what each saves.
 """
 
 from __future__ import annotations
@@ -18,14 +18,15 @@ from torch.distributed.tensor import DTensor, Replicate
 from transformers import DistributedConfig
 from transformers.distributed.parallel_utils import ALL_PARALLEL_STYLES
 from transformers.distributed.expert_parallel import apply_expert_parallelism
-from transformers.distributed.tensor_parallel import EmbeddingParallel, TensorParallelLayer, apply_tensor_parallelism
+from transformers.distributed.tensor_parallel import (ColwiseParallel, EmbeddingParallel, TensorParallelLayer,
+                                                      apply_tensor_parallelism)
 
 from ..modeling.parallel_hooks import tied_head_kept
-from ..moe.layer import MoELayer, TokenDispatcher
+from ..moe.layer import MoELayer
 from ..utils.transformers_private import record_split, resolve_parallel_plans
 from .comm import sum_grad_over
-from .expert_parallel import ALL_TO_ALL, PPMoEDispatcher, share_router_generator, use_all_to_all_dispatchers
-from .modules import become, show_plan
+from .expert_parallel import ALL_TO_ALL, share_router_generator
+from .modules import TensorParallel, become, show_plan
 
 
 def _replicated(x, mesh):
@@ -48,15 +49,16 @@ class ReplicatedInputParallel(TensorParallelLayer):
 
 
 class PPMoEFFNParallel(ReplicatedInputParallel):
-    """Plan style "ppmoe_ffn" for the FFN slot: an MoE layer's dispatcher becomes a `PPMoEDispatcher`; a dense FFN
-    gets "replicated_input", so its colwise projections share one input-gradient all-reduce."""
+    """Plan style "ppmoe_ffn" for the FFN slot. An MoE layer keeps its forward, gate then experts: its router stays
+    replicated, drawing the same random numbers on every rank (`share_router_generator`), and its experts are split by
+    their own rule ("ppmoe_experts"). A dense FFN gets "replicated_input", so its colwise projections share one
+    input-gradient all-reduce."""
 
     def install_forward(self, module, mesh):
         if not isinstance(module, MoELayer):  # a dense FFN
             return super().install_forward(module, mesh)
-        seed = share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
-        module.dispatcher = become(TokenDispatcher(), PPMoEDispatcher, "ppmoe_ffn", mesh, router_seed=seed)
-        return module
+        share_router_generator(module.gate, mesh.get_group(), mesh.device_type)
+        return become(module, TensorParallel, "ppmoe_ffn", mesh)
 
 
 class ReplicatedGradSumParallel(TensorParallelLayer):
@@ -90,7 +92,38 @@ class HeadShardedBiasParallel(EmbeddingParallel):
         return output.to_local() if isinstance(output, DTensor) else output
 
 
+class _LocalTensorOf(torch.autograd.Function):
+    """A replicated DTensor -> its local tensor's memory as a tensor of its own (no copy). `DTensor.to_local()`
+    returns a view (`view_as`), and so, for some shapes, does the all-gather behind it (torch's chunk-cat of the
+    gathered buffer); FSDP2 warns on every step that the model returned a view (an in-place op on one would skip
+    FSDP's pre-backward hook). The memory is the head's gathered output, which nothing else holds."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.mesh, ctx.placements, ctx.shape, ctx.stride = x.device_mesh, x.placements, x.shape, x.stride()
+        local = x.to_local()
+        own = torch.empty(0, dtype=local.dtype, device=local.device)
+        return own.set_(local.untyped_storage(), local.storage_offset(), local.size(), local.stride())
+
+    @staticmethod
+    def backward(ctx, grad):
+        return DTensor.from_local(grad, ctx.mesh, ctx.placements, run_check=False, shape=ctx.shape, stride=ctx.stride)
+
+
+class ColwiseGatheredParallel(ColwiseParallel):
+    """Plan style "colwise_gathered", the LM head's: Transformers' "colwise_gather_output" (the vocabulary split, the
+    logits gathered whole on every rank) whose logits are a tensor of their own, not a view (`_LocalTensorOf`)."""
+
+    def __init__(self):
+        super().__init__(input_layouts=Replicate(), output_layouts=Replicate(), use_local_output=False)
+
+    def transform_output_post_forward(self, module, output, mesh):
+        output = super().transform_output_post_forward(module, output, mesh)
+        return _LocalTensorOf.apply(output) if isinstance(output, DTensor) else output
+
+
 ALL_PARALLEL_STYLES.register("replicated_input", ReplicatedInputParallel())
+ALL_PARALLEL_STYLES.register("colwise_gathered", ColwiseGatheredParallel())
 ALL_PARALLEL_STYLES.register("head_sharded_bias", HeadShardedBiasParallel())
 ALL_PARALLEL_STYLES.register("replicated_grad_sum", ReplicatedGradSumParallel())
 ALL_PARALLEL_STYLES.register("ppmoe_ffn", PPMoEFFNParallel())
@@ -160,7 +193,6 @@ def parallelize(model, tp, ep: DeviceMesh | None = None):
             show_plan(model, tp_plan, mesh)
         if ep_size != size:
             apply_expert_parallelism(model, ep, mesh, ep_plan, ep_implementation=ALL_TO_ALL)
-            use_all_to_all_dispatchers(model, ep)
     # what `from_pretrained(distributed_config=...)` records, so `save_pretrained` gathers the split weights
     record_split(model, config, mesh, size)
     return model

@@ -4,10 +4,12 @@ torchrun / `accelerate launch` ends through `hf_ppmoe.parallel.exit_distributed`
 import sys
 
 from ..utils.command_line import parse_arguments
+from ..utils.quiet import quiet_notices
 from .arguments import TrainArguments
 
 
 def cli(argv: list[str] | None = None, prog: str = "python -m hf_ppmoe.training") -> int:
+    quiet_notices()  # other libraries' notices that concern no training run (utils/quiet.py)
     args = parse_arguments(TrainArguments, argv, prog=prog)  # --help and flag errors: before torch is imported
     from .train import main
     try:

@@ -1,12 +1,17 @@
-"""Arguments of `python -m hf_ppmoe.training` / `accelerate launch -m hf_ppmoe.training`, checked before any work."""
+"""Arguments of `python -m hf_ppmoe.training` / `accelerate launch -m hf_ppmoe.training`, checked before any work:
+the flags on their own when they are parsed (before torch is imported), the files and the Hub in `validate`."""
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 from pathlib import Path
+
+from ..conversion.choices import BUILTIN_GATES, ROUTER_INITS, default_experts_per_token, routing_problem
+from .data import SAMPLE_BY
 
 
 @dataclass
@@ -22,15 +27,17 @@ class TrainArguments:
     config_name: str | None = field(default=None, metadata={"help": "config.json of a causal LM (GPT-MoE or dense): train from scratch."})
     upcycle_from: str | None = field(default=None, metadata={"help": "Dense checkpoint (GPT-2, Llama, ...) to upcycle."})
     num_experts: int = field(default=8, metadata={"help": "Experts per MoE layer (upcycling / default model)."})
-    num_experts_per_tok: int = field(default=2, metadata={"help": "Routes per token (upcycling / default model)."})
-    router_type: str = field(default="topk", metadata={"help": "Gate for upcycling / the default model."})
-    router_init: str = field(default="random", metadata={"help": "Upcycled router: zeros, random or hidden (exact for topk/gshard)."})
-    expert_noise_std: float = field(default=0.0, metadata={"help": "Noise on the upcycled expert copies (breaks symmetry)."})
+    num_experts_per_tok: int | None = field(default=None, metadata={"help": "Routes per token (upcycling / default model; default: 1 for switch, else 2)."})
+    router_type: str = field(default="topk", metadata={"help": f"Gate for upcycling / the default model: {', '.join(BUILTIN_GATES)}."})
+    router_init: str = field(default="auto", metadata={"help": "Upcycled router: auto, zeros or random (as hf-ppmoe upcycle --router_init; auto: random where that is exact, topk and gshard, else zeros)."})
+    noise_std: float = field(default=0.0, metadata={"help": "Upcycling: std of the noise added to each expert copy (0: exact copies), as `hf-ppmoe upcycle --noise_std`."})
+    expert_noise_std: float | None = field(default=None, metadata={"help": "Deprecated name of --noise_std."})
     tokenizer_name: str | None = field(default=None, metadata={"help": "Tokenizer folder (default: the model's)."})
     chat_template: str | None = field(default=None, metadata={"help": "Give the saved tokenizer a chat template (chat completions, `hf-ppmoe serve`): chatml, a .jinja file, or Jinja text."})
 
     # ---- data (block_data.py): files, a `datasets` dataset, or the built-in corpus; prepared once into a cache, or streamed
-    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (one document per blank-line block), .jsonl/.json, .csv or .parquet."})
+    train_file: list[str] | None = field(default=None, metadata={"help": "Files or globs of shards: .txt (see --sample_by), .jsonl/.json, .csv or .parquet."})
+    sample_by: str = field(default=SAMPLE_BY[0], metadata={"help": "What a document of a .txt file is: document (the whole file; right for code and prose), paragraph (lines between blank lines) or line.", "choices": list(SAMPLE_BY)})
     validation_file: list[str] | None = field(default=None, metadata={"help": "Held-out files (default: --validation_split_percentage of train)."})
     validation_split_percentage: int = field(default=5, metadata={"help": "Without --validation_file: the last N%% of the training blocks (with --streaming: the documents whose CRC-32 %% 100 < N) are held out."})
     dataset_name: str | None = field(default=None, metadata={"help": "A folder written by Dataset.save_to_disk, or a `datasets` dataset name (the local cache; streamed from the Hub with --streaming)."})
@@ -87,6 +94,10 @@ class TrainArguments:
     ep_size: int | None = field(default=None, metadata={"help": "Processes every MoE layer's experts are split over (default tp_size: PPMoE on the tensor-parallel group). A multiple k * tp_size, with k dividing fsdp_size, spreads them over k tensor-parallel groups that read different batches (Transformers' all-to-all)."})
 
     def __post_init__(self):
+        if self.expert_noise_std is not None:
+            warnings.warn("--expert_noise_std is deprecated; use --noise_std (the name upcycle and `hf-ppmoe upcycle` use).",
+                          FutureWarning, stacklevel=3)
+            self.noise_std, self.expert_noise_std = self.expert_noise_std, None
         if self.chat_template is not None:
             from ..utils.chat_template import chat_template_text
 
@@ -97,23 +108,38 @@ class TrainArguments:
             self.validation_file = [self.validation_file]
         if isinstance(self.report_to, str):
             self.report_to = [self.report_to]
+        self.check_flags()
+        self.num_experts_per_tok = default_experts_per_token(self.router_type, self.num_experts_per_tok)
 
     def validate(self) -> None:
-        """Raise ValueError naming the argument and the fix, before any model or data is built."""
-        sources = [n for n in ("model_name_or_path", "config_name", "upcycle_from") if getattr(self, n)]
-        if len(sources) > 1:
-            raise ValueError(f"Give only one of --model_name_or_path, --config_name, --upcycle_from (got {', '.join(sources)}).")
+        """Raise ValueError naming the argument and the fix, before any model or data is built: the flags
+        (`check_flags`), then the files they name and, for --push_to_hub, the Hub."""
+        self.check_flags()
         for name in ("config_name",):
             path = getattr(self, name)
             if path and not Path(path).is_file():
                 raise ValueError(f"--{name} {path} does not exist; pass a JSON file written by config.save_pretrained.")
-        from .data import data_files  # torch: not needed to parse or refuse flags
+        from .data import data_files
 
         for files in (self.train_file, self.validation_file):
             if files:
                 data_files(files)
+        if self.resume and self.resume != "latest" and not Path(self.resume).is_dir():
+            raise ValueError(f"--resume {self.resume}: no such checkpoint folder (or use --resume latest).")
+        self._check_sources()
+        if self.push_to_hub:
+            self._check_hub_login()
+
+    def check_flags(self) -> None:
+        """Raise ValueError, naming the flag and the fix, for values that cannot work whatever the files hold: run
+        when the flags are parsed, so that the command refuses them before it imports torch."""
+        sources = [n for n in ("model_name_or_path", "config_name", "upcycle_from") if getattr(self, n)]
+        if len(sources) > 1:
+            raise ValueError(f"Give only one of --model_name_or_path, --config_name, --upcycle_from (got {', '.join(sources)}).")
         if self.train_file and self.dataset_name:
             raise ValueError("Give either --train_file or --dataset_name, not both.")
+        if self.sample_by not in SAMPLE_BY:
+            raise ValueError(f"--sample_by {self.sample_by}: use one of {', '.join(SAMPLE_BY)}.")
         if not 0 <= self.validation_split_percentage < 100:
             raise ValueError(f"--validation_split_percentage must be in [0, 100), got {self.validation_split_percentage}.")
         positive = ("shuffle_buffer_size", "max_steps", "per_device_train_batch_size", "gradient_accumulation_steps", "tp_size", "pp_size",
@@ -121,11 +147,15 @@ class TrainArguments:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
-        if self.model_name_or_path is None and self.config_name is None and self.num_experts_per_tok > self.num_experts:
-            default = " (the default)" if self.num_experts_per_tok == 2 else ""  # upcycling or the default model
-            raise ValueError(f"--num_experts_per_tok {self.num_experts_per_tok}{default} is more than --num_experts "
-                             f"{self.num_experts}: a token cannot take more experts than there are; lower "
-                             "--num_experts_per_tok or raise --num_experts.")
+        if self.model_name_or_path is None and self.config_name is None:  # upcycling or the default model
+            if self.router_init == "hidden":
+                raise ValueError("--router_init hidden reads one sample text per expert, which training does not take: "
+                                 "upcycle first (hf-ppmoe upcycle SRC OUT --router_init hidden --sample_file FILE), "
+                                 "then train OUT with --model_name_or_path.")
+            if self.router_init not in ROUTER_INITS:
+                raise ValueError(f"--router_init {self.router_init}: use one of auto, zeros or random.")
+            if problem := routing_problem(self.router_type, self.num_experts, self.num_experts_per_tok):
+                raise ValueError(problem)
         if self.block_size < 2:
             raise ValueError(f"--block_size must be >= 2 (a causal LM predicts each token from those before it), got {self.block_size}.")
         if not self.max_grad_norm >= 0:
@@ -139,13 +169,8 @@ class TrainArguments:
                 "scaler, which works through an optimizer Accelerate prepares, and a split model's optimizer is kept "
                 "out of Accelerate (each process holds part of its state). Use --mixed_precision bf16."
             )
-        if self.learning_rate <= 0:
+        if not self.learning_rate > 0:
             raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}.")
-        if self.resume and self.resume != "latest" and not Path(self.resume).is_dir():
-            raise ValueError(f"--resume {self.resume}: no such checkpoint folder (or use --resume latest).")
-        self._check_sources()
-        if self.push_to_hub:
-            self._check_hub_login()
 
     def _check_sources(self) -> None:
         """A model or tokenizer to read is a local folder or a Hub repository id: anything else (`./nope`, a

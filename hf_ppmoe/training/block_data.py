@@ -343,8 +343,7 @@ def load_data(args, tokenizer, rank: int = 0, world: int = 1, main_process_first
     """The training data of `args` for data-parallel `rank` of `world`: `StreamedData` with --streaming, else
     `PackedData` (prepared under `main_process_first`, e.g. Accelerator.local_main_process_first: one process per
     node writes the cache entry, the others then find it)."""
-    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
-    validation = Source(args.validation_file, text_column=args.text_column) if args.validation_file else None
+    train, validation = Source.of(args), Source.of(args, validation=True)
     if args.streaming:
         return StreamedData(train, validation, tokenizer, args, rank, world)
     with main_process_first():

@@ -31,7 +31,7 @@ def load_tokenizer(args: TrainArguments, texts=None):
                 raise
     if texts is not None:
         return train_tokenizer(texts)
-    train = Source(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column)
+    train = Source.of(args)
 
     def documents():
         characters = 0
@@ -61,7 +61,7 @@ def build_model(args: TrainArguments, tokenizer):
             num_experts_per_tok=args.num_experts_per_tok,
             router_type=args.router_type,
             router_init=args.router_init,
-            noise_std=args.expert_noise_std,
+            noise_std=args.noise_std,
             seed=args.seed,
         )
     elif args.config_name:  # any causal-LM or seq2seq config.json (model_type decides the class), the tokenizer's ids

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, extract_model_from_parallel
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..parallel.checkpoint import load_distributed_checkpoint
@@ -54,8 +54,8 @@ DATA_STATE = "data_state_"  # + process index + ".pt": the data position of each
 # model_config and data), evaluation, logging, checkpointing and output, and FSDP's memory-for-communication trade
 MAY_CHANGE_ON_RESUME = frozenset(
     """fsdp_reshard_after_forward model_name_or_path config_name upcycle_from num_experts num_experts_per_tok router_type router_init
-    expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
-    text_column data_cache_dir output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
+    noise_std expert_noise_std tokenizer_name train_file validation_file dataset_name dataset_config_name dataset_split
+    text_column sample_by data_cache_dir output_dir eval_steps eval_batches logging_steps checkpointing_steps resume report_to plots
     push_to_hub hub_model_id allow_resume_changes""".split()
 )
 LAYOUT = ("tp_size", "pp_size")  # with num_processes: how the checkpoint's states are split; never changed on resume
@@ -241,6 +241,27 @@ def load_sharded(path: Path, model, optimizer, stage: int | None = None) -> None
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
 
 
+def drop_tied_copies(models, weights, output_dir=None) -> None:
+    """Accelerate's save-state hook: leave out of each model's state dict the tensors the model declares tied to
+    another it holds (Transformers' `all_tied_weights_keys`: `lm_head.weight` with tied embeddings) and that share
+    its memory. Safetensors holds one copy of shared memory, so Accelerate drops them itself, with a notice on every
+    checkpoint ("Removed shared tensor ... This should be OK, but check ..."); the file is the same either way, and
+    loading into the model, which ties them, fills both. A tensor that shares memory without being declared tied is
+    left for Accelerate to name."""
+    for model, state in zip(models, weights):
+        tied = getattr(extract_model_from_parallel(model), "all_tied_weights_keys", None) or {}
+        for target, source in tied.items():
+            for name in [n for n in state if n == target or n.endswith("." + target)]:  # "module." under DDP
+                twin = name[: len(name) - len(target)] + source
+                if twin in state and _same_memory(state[name], state[twin]):
+                    del state[name]
+
+
+def _same_memory(a, b) -> bool:
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.device == b.device
+            and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr())
+
+
 class Checkpointer:
     """Writes and reads a run's checkpoints, as torchtitan's `CheckpointManager`: the loop says `save(step)` and
     `load(folder)`, and this object knows what a checkpoint holds.
@@ -256,6 +277,7 @@ class Checkpointer:
     def __init__(self, accelerator, output_dir, record: dict, sharded: tuple | None = None, data=None):
         self.accelerator, self.root = accelerator, Path(output_dir, "checkpoints")
         self.record, self.sharded, self.data = record, sharded, data
+        accelerator.register_save_state_pre_hook(drop_tied_copies)
 
     def folder(self, step: int) -> Path:
         return self.root / f"{CHECKPOINT_PREFIX}{step}"

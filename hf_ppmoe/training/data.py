@@ -4,10 +4,11 @@ stream, with bad data named by file and line.
 The built-in corpus is the Python language reference that every CPython installation ships as
 `pydoc_data.topics` (~460 KB of English prose and code), so the demo and the tests need no download.
 
-A source is data files (.txt: one document per blank-line block; .jsonl / .json; .csv; .parquet; globs of shards),
-a folder written by `Dataset.save_to_disk`, a dataset name in the local `datasets` cache, or the built-in corpus.
-`documents` reads any of them as a `datasets.IterableDataset`; nothing runs code from the data (`datasets` no longer
-runs loading scripts). Tokenizing and packing into blocks is in `block_data.py`.
+A source is data files (.txt: a document per file, paragraph or line, `SAMPLE_BY`; .jsonl / .json; .csv; .parquet;
+globs of shards), a folder written by `Dataset.save_to_disk`, a dataset name in the local `datasets` cache, or the
+built-in corpus. `documents` reads any of them as a `datasets.IterableDataset`; nothing runs code from the data
+(`datasets` no longer runs loading scripts). Tokenizing and packing into blocks is in `block_data.py`. The module
+imports torch and the tokenizer libraries when it tokenizes: the command checks its flags with it first.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ import json
 import os
 from pathlib import Path
 
-import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
-
 SPECIAL_TOKENS = ["<|pad|>", "<|endoftext|>"]
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# what a document of a .txt file is (the names of `datasets`' text loader): the whole file (the default, right for code
+# and prose alike: a blank line inside a function or a chapter does not end it), a block of lines between blank lines,
+# or one line
+SAMPLE_BY = ("document", "paragraph", "line")
 
 
 def builtin_corpus() -> list[str]:
@@ -35,8 +36,13 @@ def builtin_corpus() -> list[str]:
     return [topics[key].strip() for key in sorted(topics)]
 
 
-def train_tokenizer(texts, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer (GPT-2 style) trained on `texts` (any iterable of strings) in a second or two."""
+def train_tokenizer(texts, vocab_size: int = 2048):
+    """A byte-level BPE tokenizer (GPT-2 style), trained on `texts` (any iterable of strings: a corpus of your own)
+    in seconds and offline: a Transformers `PreTrainedTokenizerFast` with pad `<|pad|>` and BOS = EOS
+    `<|endoftext|>`, ready for `save_pretrained` beside a model of your own."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
@@ -52,9 +58,11 @@ def train_tokenizer(texts, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
     )
 
 
-def pack(texts: list[str], tokenizer, block_size: int) -> torch.Tensor:
+def pack(texts: list[str], tokenizer, block_size: int):
     """Tokenize, join documents with EOS and cut into `[N, block_size]` blocks (the remainder is dropped): in memory,
     for small lists of texts (the demo's held-out set); training data goes through `block_data.py`, which packs alike."""
+    import torch
+
     ids: list[int] = []
     for text in texts:
         ids.extend(tokenizer(text)["input_ids"])
@@ -78,8 +86,8 @@ def data_files(patterns: list[str]) -> list[str]:
                 raise ValueError(f"Data file {path} does not exist.")
             if Path(path).suffix not in BUILDERS:
                 raise ValueError(
-                    f"Data file {path}: use .txt (one document per blank-line block), .jsonl / .json, .csv or "
-                    ".parquet, or a folder written by Dataset.save_to_disk (--dataset_name)."
+                    f"Data file {path}: use .txt (--sample_by: a document per file, paragraph or line), .jsonl / .json, "
+                    ".csv or .parquet, or a folder written by Dataset.save_to_disk (--dataset_name)."
                 )
         files.extend(matches)
     kinds = {BUILDERS[Path(f).suffix] for f in files}
@@ -89,13 +97,24 @@ def data_files(patterns: list[str]) -> list[str]:
 
 
 class Source:
-    """Where documents come from: `files` (paths, globs expanded), a `save_to_disk` folder or dataset name, or the
-    built-in corpus (neither given)."""
+    """Where documents come from: `files` (paths, globs expanded; `sample_by`: what a document of a .txt file is, one of
+    `SAMPLE_BY`), a `save_to_disk` folder or dataset name, or the built-in corpus (neither given)."""
 
     def __init__(self, files: list[str] | None = None, dataset_name: str | None = None, config_name: str | None = None,
-                 split: str = "train", text_column: str = "text"):
+                 split: str = "train", text_column: str = "text", sample_by: str = SAMPLE_BY[0]):
+        if sample_by not in SAMPLE_BY:
+            raise ValueError(f"--sample_by {sample_by}: use one of {', '.join(SAMPLE_BY)}.")
         self.files = data_files(files) if files else None
         self.dataset_name, self.config_name, self.split, self.text_column = dataset_name, config_name, split, text_column
+        self.sample_by = sample_by
+
+    @classmethod
+    def of(cls, args, validation: bool = False) -> Source | None:
+        """The training source (`validation`: the --validation_file source, None without one) of a run's arguments."""
+        if validation:
+            return cls(args.validation_file, text_column=args.text_column, sample_by=args.sample_by) if args.validation_file else None
+        return cls(args.train_file, args.dataset_name, args.dataset_config_name, args.dataset_split, args.text_column,
+                   args.sample_by)
 
     def __str__(self) -> str:
         if self.files:
@@ -111,7 +130,7 @@ class Source:
         if self.files:
             builder = BUILDERS[Path(self.files[0]).suffix]
             if Path(self.files[0]).suffix in (".txt", ".jsonl"):
-                reader = _paragraphs if builder == "text" else _json_lines
+                reader = TEXT_READERS[self.sample_by] if builder == "text" else _json_lines
                 return datasets.IterableDataset.from_generator(
                     reader, gen_kwargs={"files": self.files, "text_column": self.text_column}
                 )
@@ -137,7 +156,8 @@ class Source:
 
         if self.files:
             stats = [(os.path.abspath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in self.files]
-            return {"files": stats, "text_column": self.text_column}
+            text = {"sample_by": self.sample_by} if BUILDERS[Path(self.files[0]).suffix] == "text" else {}
+            return {"files": stats, "text_column": self.text_column, **text}
         if self.dataset_name is None:
             return {"builtin": hashlib.sha256("\0".join(builtin_corpus()).encode()).hexdigest()}
         if Path(self.dataset_name).is_dir():
@@ -204,16 +224,42 @@ def _decoded(path: str):
                 ) from None
 
 
+def _trimmed(text: str) -> str:
+    """A document without the blank lines and line ends around it; the first line keeps its indentation (code)."""
+    lines = text.rstrip().splitlines(keepends=True)
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    return "".join(lines)
+
+
+def _documents(files: list[str], text_column: str):
+    """Documents of .txt files (--sample_by document): each file, whole."""
+    for path in files:
+        if text := _trimmed("".join(line for _, line in _decoded(path))):
+            yield {text_column: text}
+
+
 def _paragraphs(files: list[str], text_column: str):
-    """Documents of .txt files: blocks of lines separated by blank lines, stripped."""
+    """Documents of .txt files (--sample_by paragraph): blocks of lines separated by blank lines."""
     for path in files:
         lines: list[str] = []
         for _, line in itertools.chain(_decoded(path), [(0, "\n")]):
             if line not in ("\n", "\r\n"):
                 lines.append(line)
-            elif text := "".join(lines).strip():
+            elif text := _trimmed("".join(lines)):
                 yield {text_column: text}
                 lines = []
+
+
+def _lines(files: list[str], text_column: str):
+    """Documents of .txt files (--sample_by line): every non-empty line."""
+    for path in files:
+        for _, line in _decoded(path):
+            if text := _trimmed(line):
+                yield {text_column: text}
+
+
+TEXT_READERS = {"document": _documents, "paragraph": _paragraphs, "line": _lines}
 
 
 def _json_lines(files: list[str], text_column: str):
@@ -284,6 +330,6 @@ def check_file(path: str, text_column: str = "text") -> str | None:
     return None
 
 
-def read_text_files(paths: list[str], text_column: str = "text") -> list[str]:
+def read_text_files(paths: list[str], text_column: str = "text", sample_by: str = SAMPLE_BY[0]) -> list[str]:
     """The documents of data files, in memory (small files: tests, the demo)."""
-    return [text for batch in Source(paths, text_column=text_column).texts() for text in batch]
+    return [text for batch in Source(paths, text_column=text_column, sample_by=sample_by).texts() for text in batch]

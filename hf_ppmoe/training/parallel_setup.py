@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
 from .. import parallel
 from ..parallel import Pipeline, batch_mesh, expert_mesh, fully_shard_model, make_mesh, parallelize
+from ..utils.quiet import dropped
 
 
 class DataParallelGroup:
@@ -118,11 +119,13 @@ def gather_model(model, dp: DataParallelGroup, pipe: Pipeline | None = None):
     base = pipe.module.model if pipe is not None else model
     writer = dp.rank == 0 and dp.mesh["tp"].get_local_rank() == 0  # of its stage
     state = {}
-    for name, tensor in base.state_dict().items():
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()
-        if writer:
-            state[name] = tensor.detach().cpu()
+    # torch's hint that the FSDP and TP all-gathers of a parameter cannot be fused concerns steps that repeat
+    with dropped("torch.distributed.tensor._redistribute", "While redistributing from"):
+        for name, tensor in base.state_dict().items():
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            if writer:
+                state[name] = tensor.detach().cpu()
     if not writer:
         return None
     if pipe is not None:

@@ -109,6 +109,9 @@ class MoETrainerMixin:
                 f"Seq2SeqMoEForConditionalGeneration (possibly inside a PEFT model); {type(self.model).__name__} holds "
                 f"{len(moe_models)}. Use transformers.Trainer for other models."
             )
+        if self.args.dataloader_pin_memory and not torch.accelerator.is_available():
+            # pinned memory only speeds copies to an accelerator; without one, torch's DataLoader warns on every epoch
+            self.args.dataloader_pin_memory = False
         self.loss_monitor = LossMonitor(self.model, moe_models[0])
         self.router_monitor = RouterMonitor(moe_models[0])
         self.load_balancer = LoadBalancer(moe_models[0])

@@ -236,6 +236,8 @@ def check_finite(tensors: Iterable[tuple[str, str, torch.Tensor]]) -> None:
     """Refuse NaN or infinity in floating-point tensors, given as (file, name, tensor) as loaded from `file`."""
     for file, name, tensor in tensors:
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a split tensor: this process's part
+        if local.is_floating_point() and type(local) not in (torch.Tensor, torch.nn.Parameter):
+            local = local.dequantize()  # a quantized tensor subclass (torchao's): the values it stands for
         if local.is_floating_point() and local.device.type != "meta" and not _finite(local):
             raise CheckpointError(
                 f"{file}: tensor {name} holds NaN or infinite values. The checkpoint was saved from a diverged run or "

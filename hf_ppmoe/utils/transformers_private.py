@@ -6,19 +6,23 @@ changes. Checked against transformers 5.24 (`TRANSFORMERS_CHECKED`).
   own models; `hf_ppmoe/__init__.py` falls back on the public `register` API where they are not as expected.
 - `PrivateHooks`: overrides of two private hooks of `PreTrainedModel`, `_resolve_parallel_plans` and
   `_load_pretrained_model`, which hand over to public methods of our model class (`keep_own_plan_rules`,
-  `load_guarded`).
+  `load_guarded`, and `weight_loading_quantizer`: the quantizer in the private `LoadStateDictConfig` that the weights
+  load with).
 - the instance plans `_tp_plan` / `_ep_plan` (`restrict_instance_plans`), the split records `_device_mesh` /
   `_tp_size` (`record_split`, `device_mesh_of`), the pipeline stage `_pp_stage` (`is_first_pipeline_stage`), the
   output-recorder registry `_CAN_RECORD_REGISTRY` (`register_output_recorders`), `config._attn_implementation`
   (`attention_implementation`), and the expert-parallel marker `_is_expert_parallel` (`mark_expert_parallel`).
 
-Not routed through here: the class attribute `_tp_plan` of a task head (the documented way a Transformers model file
-declares its head's rule), and `generation/flat_beam_search.py`, which is written into checkpoints as a
-self-contained `custom_generate` file and so reads `config._attn_implementation` itself.
+Not routed through here: the quantizer classes and `ConversionOps` that hf_ppmoe.modeling.quantization subclasses
+(Transformers' quantizer API, the way a quantization method plugs into its loading), the class attribute `_tp_plan`
+of a task head (the documented way a Transformers model file declares its head's rule), and
+`generation/flat_beam_search.py`, which is written into checkpoints as a self-contained `custom_generate` file and so
+reads `config._attn_implementation` itself.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -57,8 +61,8 @@ def register_auto_names(models: dict[str, tuple[str, dict[str, str]]], package: 
 
 
 class PrivateHooks:
-    """Put before `PreTrainedModel` in a model base class's bases; the class defines `keep_own_plan_rules(plans)` and
-    `load_guarded(checkpoint_files, source, subfolder, load)`."""
+    """Put before `PreTrainedModel` in a model base class's bases; the class defines `keep_own_plan_rules(plans)`,
+    `load_guarded(checkpoint_files, source, subfolder, load)` and `weight_loading_quantizer(hf_quantizer)`."""
 
     @classmethod
     def _can_set_experts_implementation(cls) -> bool:
@@ -72,6 +76,10 @@ class PrivateHooks:
     @staticmethod
     def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys=None):
         from transformers import PreTrainedModel
+
+        if load_config.hf_quantizer is not None:  # Transformers' quantizer, taught the model's own quantized weights
+            quantizer = model.weight_loading_quantizer(load_config.hf_quantizer)
+            load_config = dataclasses.replace(load_config, hf_quantizer=quantizer)
 
         def load():
             return PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, expected_keys)

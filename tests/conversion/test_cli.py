@@ -146,3 +146,24 @@ def test_refusals_exit_2_and_missing_positionals_are_argparse_errors(tmp_path, c
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("hf-ppmoe merge: error:") and "Traceback" not in err and not (tmp_path / "out").exists()
+
+
+def test_the_commands_gate_checks_are_the_gates_own():
+    """Issue 46: `hf-ppmoe upcycle|train` check --router_type, --num_experts and --num_experts_per_tok in flag words
+    before torch is imported (`choices.routing_problem`), with the built-in gates' rules written there again; they
+    refuse exactly what the gates' own checks (the model config) refuse."""
+    from hf_ppmoe import GPTMoEConfig
+    from hf_ppmoe.conversion.choices import BUILTIN_GATES, default_experts_per_token, routing_problem
+    from hf_ppmoe.moe.gates import GATES
+
+    assert {name for name, gate in GATES.items() if gate.__module__ == "hf_ppmoe.moe.gates"} == set(BUILTIN_GATES)
+    for gate in BUILTIN_GATES:
+        for experts in range(1, 9):
+            for k in (None, *range(0, 10)):
+                try:
+                    GPTMoEConfig(num_experts=experts, num_experts_per_tok=default_experts_per_token(gate, k), router_type=gate)
+                    refused = False
+                except ValueError:
+                    refused = True
+                assert (routing_problem(gate, experts, k) is not None) == refused, (gate, experts, k)
+    assert routing_problem("topp", 4, None).endswith("did you mean --router_type topk?")

@@ -125,6 +125,8 @@ def test_cli_granularity(dense, tmp_path, capsys):
     original, merged = read_tensors(folder), read_tensors(tmp_path / "dense")
     assert all(torch.equal(merged[k], v) for k, v in original.items())
     assert type(AutoModelForCausalLM.from_pretrained(tmp_path / "dense")).__name__ == "LlamaForCausalLM"
-    with pytest.raises(SystemExit) as exit:  # the default router_init='zeros': refused before the source is read
-        main(["upcycle", str(folder), str(tmp_path / "zeros"), *args])
+    assert main(["upcycle", str(folder), str(tmp_path / "auto"), *args]) == 0  # the default, auto: a random router
+    assert_same_outputs(model, GPTMoEForCausalLM.from_pretrained(tmp_path / "auto"))
+    with pytest.raises(SystemExit) as exit:  # zeros: refused before the source is read
+        main(["upcycle", str(folder), str(tmp_path / "zeros"), *args, "--router_init", "zeros"])
     assert exit.value.code == 2 and "granularity=2 with router_init='zeros'" in capsys.readouterr().err

@@ -102,6 +102,23 @@ def test_noise_breaks_symmetry_reproducibly(dense):
     assert torch.equal(experts.gate_up_proj, b.model.layers[1].mlp.experts.gate_up_proj)
 
 
+def test_training_upcycles_with_the_same_noise_option(dense):
+    """`python -m hf_ppmoe.training --upcycle_from SRC --noise_std S` is upcycle(SRC, noise_std=S); its old name
+    --expert_noise_std still works, with a warning."""
+    from hf_ppmoe.training import TrainArguments
+    from hf_ppmoe.training.build import build_model
+
+    _, folder = dense("mistral")
+    options = dict(upcycle_from=str(folder), num_experts=4, seed=3)
+    args = TrainArguments(**options, noise_std=1e-3)
+    with pytest.warns(FutureWarning, match="--expert_noise_std is deprecated; use --noise_std"):
+        old = TrainArguments(**options, expert_noise_std=1e-3)
+    expected = upcycle(folder, num_experts=4, router_init="random", noise_std=1e-3, seed=3).state_dict()
+    for arguments in (args, old):
+        got = build_model(arguments, tokenizer()).state_dict()
+        assert got.keys() == expected.keys() and all(torch.equal(got[k], v) for k, v in expected.items())
+
+
 def test_explicit_moe_layers_keep_the_other_ffns_dense(dense):
     model, folder = dense("llama")
     moe = upcycle(folder, num_experts=2, moe_layers=[0])

@@ -177,8 +177,10 @@ def test_tied_embeddings():
 SAVE_AND_COMPARE = """
 import sys, torch
 {blocker}
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code={trust}).eval()
+tokenizer = AutoTokenizer.from_pretrained(sys.argv[1], trust_remote_code={trust})  # it reads the config too (docs/models.md)
+assert tokenizer.decode(tokenizer("def add(a, b):")["input_ids"]) == "def add(a, b):"
 ids, expected = torch.load(sys.argv[2])
 assert type(model).__module__.startswith({module!r}), type(model).__module__
 assert torch.equal(model(ids).logits, expected), "logits differ"
@@ -189,8 +191,11 @@ print("OK", tokens.shape[1])
 
 @pytest.mark.parametrize("remote", [False, True], ids=["installed", "trust_remote_code_without_hf_ppmoe"])
 def test_save_load_round_trip_in_a_fresh_process(tmp_path, remote):
+    from converters import tokenizer
+
     model = make_model("gpt2", "gshard")
     model.save_pretrained(tmp_path / "ckpt")
+    tokenizer().save_pretrained(tmp_path / "ckpt")
     ids = torch.randint(3, 97, (2, 6))
     torch.save((ids, model(ids).logits), tmp_path / "expected.pt")
     files = {p.name for p in (tmp_path / "ckpt").iterdir()}
@@ -203,11 +208,12 @@ def test_save_load_round_trip_in_a_fresh_process(tmp_path, remote):
         [sys.executable, "-c", script, str(tmp_path / "ckpt"), str(tmp_path / "expected.pt")],
         capture_output=True,
         text=True,
+        stdin=subprocess.DEVNULL,  # Transformers' "run the custom code? [y/N]" would read no, and fail the load
         env={"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin", "HF_HOME": str(tmp_path / "hf_home"),
              "OMP_NUM_THREADS": str(torch.get_num_threads())},  # bit-equal logits need the same thread count
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "OK 9" in result.stdout
+    assert "OK 9" in result.stdout and "Do you wish to run the custom code" not in result.stdout + result.stderr
 
 
 def test_saved_remote_code_can_be_saved_again(tmp_path):

@@ -13,6 +13,7 @@ from test_execution import poisoned_grouped_mm
 from test_experts import GATE_SETTINGS, MLP_STYLES
 
 from hf_ppmoe.moe import EXPERTS_FUNCTIONS, MoELayer
+from hf_ppmoe.moe import experts as experts_module
 from hf_ppmoe.moe import kernels as kernels_module
 from hf_ppmoe.moe.kernels import CAPABILITIES, capability, capability_table
 
@@ -137,21 +138,56 @@ def test_empty_experts_and_sentinel_tails_get_exact_zero_gradients_whatever_the_
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("hidden,inner", [(32, 1), (32, 2), (32, 3), (30, 6), (16, 4), (24, 5), (8, 8)])
-def test_transformers_grouped_mm_dispatch_falls_back_instead_of_crashing(hidden, inner, dtype):
+def test_transformers_grouped_mm_dispatch_falls_back_instead_of_crashing(hidden, inner, dtype, monkeypatch, caplog):
     """`experts_implementation="grouped_mm"` (Transformers' kernel on our weights) at sizes and dtypes the kernel refuses (rows
-    off its 16-byte rule, float64) runs the table's fallback, with the index implementation's numbers."""
+    off its 16-byte rule, float64) runs the table's fallback, with the index implementation's numbers, and says so
+    (once: Transformers' `warning_once`, made plain here to count it)."""
     sizes = dict(hidden_size=hidden, intermediate_size=inner, num_attention_heads=1, num_key_value_heads=1)
     layer = MoELayer(tiny_gpt_config(**sizes, experts_implementation="grouped_mm")).to(dtype).train()
     reference = MoELayer(tiny_gpt_config(**sizes)).to(dtype).train()
     reference.load_state_dict(layer.state_dict())
     x = torch.randn(10, hidden, dtype=dtype)
+    monkeypatch.setattr(experts_module.logger, "warning_once", experts_module.logger.warning)
     for grad in (True, False):
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), caplog.at_level("WARNING"):
             y, _ = layer(x)
             y_ref, _ = reference(x)
         torch.testing.assert_close(y, y_ref)
+    said = [r.getMessage() for r in caplog.records if 'experts_implementation="grouped_mm"' in r.getMessage()]
     kernel = kernels_module.aligned(dtype, hidden, inner) and dtype != torch.float64
+    assert len(said) == (0 if kernel else 2), said  # one per forward here; Transformers' warning_once says it once
+    if not kernels_module.aligned(dtype, hidden, inner):
+        assert f"hidden_size={hidden}" in said[0] and "16 bytes" in said[0], said
     assert (layer.experts.implementation(x, torch.zeros(10, 2, dtype=torch.long)) == "grouped_mm") == kernel
+
+
+def test_our_kernels_are_offered_to_our_experts_only():
+    """"index" and "einsum" read our `Experts`' weights and config: Transformers' global experts registry does not
+    list them, so Transformers' own MoE models refuse them by name when set (instead of failing in the forward), while
+    ours take them; Transformers' grouped_mm still runs a Qwen3-MoE model with hf_ppmoe imported."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from hf_ppmoe import GPTMoEForCausalLM
+
+    assert not {"index", "einsum"} & set(ALL_EXPERTS_FUNCTIONS.keys())
+    config = Qwen3MoeConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4,
+                            num_experts_per_tok=2)
+    qwen = Qwen3MoeForCausalLM(config).eval()
+    for name in ("index", "einsum"):
+        with pytest.raises(ValueError, match=f'experts_implementation="{name}"'):
+            qwen.set_experts_implementation(name)
+    ids = torch.randint(3, 97, (2, 5))
+    reference = qwen(ids).logits
+    qwen.set_experts_implementation("grouped_mm")
+    torch.testing.assert_close(qwen(ids).logits, reference)
+    ours = GPTMoEForCausalLM(tiny_gpt_config())
+    for name in ("einsum", "index"):
+        ours.set_experts_implementation(name)
+        assert ours.config._experts_implementation == name
+    with pytest.raises(ValueError, match="Our models also take 'index', 'einsum'"):
+        ours.set_experts_implementation("no_such_kernel")
 
 
 def test_experts_run_what_the_registry_holds_under_the_name_they_resolve(monkeypatch):

@@ -102,6 +102,8 @@ def test_global_scope_uses_the_fraction_it_is_given_and_this_inputs_before():
     torch.testing.assert_close(first.aux_loss, micro.aux_loss)
     torch.testing.assert_close(first.assigned_per_expert, torch.tensor([0.5, 1.0, 0.5, 0.0]))
     assert first.num_tokens.item() == 2
+    # only this scope counts them (LoadBalancer sums them per step); the others spend no kernel on them
+    assert micro.assigned_per_expert is None and micro.num_tokens is None
     with torch.no_grad():
         gate.global_fraction.copy_(torch.tensor([0.1, 0.2, 0.3, 0.4]))
     expected = balance_loss(x.softmax(-1), gate.global_fraction.unsqueeze(0), None, 2)

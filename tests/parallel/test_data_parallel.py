@@ -80,3 +80,38 @@ def test_reshard_after_forward_false_keeps_the_gathered_layers_until_backward():
         assert isinstance(next(layer.parameters()), DTensor) == reshard, reshard
         loss.backward()
         assert all(isinstance(p, DTensor) and p.grad is not None for p in layer.parameters()), reshard
+
+
+def test_fsdp_with_tensor_parallel_returns_logits_of_their_own():
+    """Issue 46: under FSDP2 x TP the head's gathered logits were `DTensor.to_local()`'s view, and FSDP2 warned on
+    every step that the model returned a view (an in-place op on one skips its pre-backward hook). They are a tensor of
+    their own now ("colwise_gathered"), with the single-process model's logits, loss and gradients."""
+    import copy
+    import warnings
+
+    import torch
+
+    from hf_ppmoe import GPTMoEConfig, GPTMoEForCausalLM
+    from hf_ppmoe.parallel import fully_shard_model, make_mesh, parallelize
+
+    torch.manual_seed(0)
+    reference = GPTMoEForCausalLM(GPTMoEConfig(**CONFIG))
+    model = copy.deepcopy(reference)
+    mesh = make_mesh(fsdp=2, tp=2)
+    parallelize(model, mesh["tp"])
+    fully_shard_model(model, mesh)
+    ids = torch.randint(0, CONFIG["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(dist.get_rank() // 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = model(ids, labels=ids)
+    assert not [w for w in caught if "view tensor" in str(w.message)], [str(w.message) for w in caught]
+    assert out.logits._base is None
+    out.loss.backward()
+    expected = reference(ids, labels=ids)
+    expected.loss.backward()
+    torch.testing.assert_close(out.logits, expected.logits, atol=1e-5, rtol=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        # FSDP averages over its 2 ranks, which read different batches: the mean of their single-process gradients
+        grad = q.grad.clone()
+        dist.all_reduce(grad, group=mesh["fsdp"].get_group())
+        torch.testing.assert_close(p.grad.full_tensor(), grad / 2, atol=1e-5, rtol=1e-4, msg=name)

@@ -40,7 +40,7 @@ def test_encoder_decoder_plans(tied):
             assert [tp[f"{prefix}.layers.*.{attention}.{p}_proj"] for p in "qkvo"] == ["colwise"] * 3 + ["rowwise"]
         assert tp[f"{prefix}.layers.*.mlp"] == "ppmoe_ffn" and tp[f"{prefix}.layers.*.mlp.experts"] == "ppmoe_experts"
         assert ep[f"{prefix}.layers.*.mlp.experts"] == "ep_dispatch_experts"
-    assert tp["model.shared"] == "embedding_rowwise" and tp["lm_head"] == "colwise_gather_output"
+    assert tp["model.shared"] == "embedding_rowwise" and tp["lm_head"] == "colwise_gathered"
     dense = {k.rsplit(".", 1)[1] for k in tp if ".mlp." in k and ".experts" not in k}
     assert dense == ({"up_proj", "down_proj"} if tied else {"gate_proj", "up_proj", "down_proj"})
 

@@ -49,17 +49,20 @@ def test_help_and_version_import_nothing_heavy_and_help_goes_to_stdout():
     assert scripts["hf-ppmoe"] == "hf_ppmoe_cli:main"
 
 
-def test_an_unknown_command_is_an_error_line(capsys):
+def test_an_unknown_command_is_an_error_line_with_the_closest_command(capsys):
     assert main(["upcylce"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == "hf-ppmoe: error: unknown command 'upcylce'"
+    assert capsys.readouterr().err.splitlines() == ["usage: hf-ppmoe COMMAND [--help] | hf-ppmoe --version",
+                                                    "hf-ppmoe: error: unknown command 'upcylce'; did you mean 'hf-ppmoe upcycle'?"]
+    assert main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("hf-ppmoe: error: unknown command 'frobnicate'; the commands: demo,")
 
 
 def test_upcycle_settings_are_refused_before_the_source_is_read(tmp_path, capsys):
     missing = str(tmp_path / "no-such-source")  # read first, it would be the error
     out = tmp_path / "out"
     line = _refusal(capsys, ["upcycle", missing, str(out), "--num_experts", "2", "--num_experts_per_tok", "3"])
-    assert "num_experts_per_tok=3 must be between 1 and num_experts=2" in line
-    assert "Unknown router_type 'foo'" in _refusal(capsys, ["upcycle", missing, str(out), "--router_type", "foo"])
+    assert "--num_experts_per_tok 3 is more than --num_experts 2" in line
+    assert "--router_type foo: no such gate" in _refusal(capsys, ["upcycle", missing, str(out), "--router_type", "foo"])
     line = _refusal(capsys, ["upcycle", missing, str(out), "--max_shard_size", "LOTS"])
     assert "max_shard_size 'LOTS': give a size such as 5GB" in line
     out.mkdir()
@@ -221,3 +224,53 @@ def test_one_expert_and_beams_beyond_the_vocabulary_are_warned(folders):
                                            num_attention_heads=2, num_experts=2, moe_layer_frequency=1)).eval()
     with pytest.warns(UserWarning, match="num_beams=12 is more than the vocabulary"):
         model.generate(torch.tensor([[1, 2]]), num_beams=12, max_new_tokens=1, do_sample=False)
+
+
+# ---- issue 46: the same mistakes, as a user runs them (a fresh process): flag words, before torch is imported ----
+
+WORDS = """
+import contextlib, io, json, sys, hf_ppmoe_cli
+results = []
+for argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+        try:
+            code = hf_ppmoe_cli.main(argv)
+        except SystemExit as exit:
+            code = exit.code
+    results.append([code, err.getvalue().splitlines()])
+print(json.dumps([results, "torch" in sys.modules]))
+"""
+
+
+def test_mistakes_are_refused_in_flag_words_before_torch_in_a_fresh_process(tmp_path):
+    import json
+    import re
+
+    missing, out = str(tmp_path / "no-such-source"), str(tmp_path / "out")
+    cases = [
+        (["upcycle", missing, out, "--num_experts", "4", "--num_experts_per_tok", "8"],
+         "hf-ppmoe upcycle: error: --num_experts_per_tok 8 is more than --num_experts 4"),
+        (["upcycle", missing, out, "--router_type", "topp"],
+         "hf-ppmoe upcycle: error: --router_type topp: no such gate; use one of topk, switch, gshard, prototype; did you "
+         "mean --router_type topk?"),
+        (["upcycle", missing, out, "--router_type", "switch", "--num_experts_per_tok", "2"],
+         "hf-ppmoe upcycle: error: --router_type switch routes each token to 1 expert, not --num_experts_per_tok 2"),
+        (["train", "--num_experts", "4", "--num_experts_per_tok", "8", "--output_dir", out],
+         "hf-ppmoe train: error: --num_experts_per_tok 8 is more than --num_experts 4"),
+        (["train", "--router_type", "topp", "--output_dir", out], "hf-ppmoe train: error: --router_type topp: no such gate"),
+        (["train", "--router_type", "prototype", "--num_experts", "6", "--num_experts_per_tok", "4", "--output_dir", out],
+         "hf-ppmoe train: error: --router_type prototype splits --num_experts 6 into --num_experts_per_tok 4 prototypes"),
+        (["train", "--max_steps", "0", "--output_dir", out], "hf-ppmoe train: error: --max_steps must be >= 1, got 0."),
+        (["upcycel", missing, out], "hf-ppmoe: error: unknown command 'upcycel'; did you mean 'hf-ppmoe upcycle'?"),
+    ]
+    result = subprocess.run([sys.executable, "-c", WORDS, json.dumps([argv for argv, _ in cases])], capture_output=True,
+                            text=True, timeout=300, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-3000:]
+    results, torch_imported = json.loads(result.stdout.splitlines()[-1])
+    for (argv, expected), (code, lines) in zip(cases, results):
+        assert code == 2 and len(lines) == 2 and lines[0].startswith("usage: hf-ppmoe"), (argv, lines)
+        assert lines[1].startswith(expected), (argv, lines[1])
+        assert not re.search(r"\b[a-z_]+=", lines[1]), lines[1]  # no Python name=value where a flag is meant
+    assert not torch_imported
+    assert not (tmp_path / "out").exists()

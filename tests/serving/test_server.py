@@ -149,18 +149,75 @@ def test_an_encoder_decoder_is_refused_with_the_reason(tmp_path):
         build_app(ServeArguments(model=str(tmp_path), device="cpu"))
 
 
-def test_chat_without_template_is_a_clear_400(tmp_path):
-    """In-process (Starlette's test client on the same app): the refusal names the fix, no stack trace."""
-    from fastapi.testclient import TestClient
+def test_chat_without_template_is_a_clear_400_the_openai_client_shows(tmp_path):
+    """The app in this process (uvicorn in a thread, on 127.0.0.1), asked through the OpenAI client as the docs do:
+    the refusal names the fix in OpenAI's error body, whose message the client's exception carries (FastAPI's
+    {"detail": ...} reached it as "Error code: 400" alone); completions still work."""
+    import threading
+
+    import uvicorn
 
     from hf_ppmoe.serving import ServeArguments, build_app
 
     folder = save_tiny_model(tmp_path / "model", chat_template=None)
     app = build_app(ServeArguments(model=str(folder), device="cpu", dtype="float32"))
-    with TestClient(app) as http:
-        body = {"model": str(folder), "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        response = http.post("/v1/chat/completions", json=body)
-        assert response.status_code == 400
-        assert "no chat template" in response.json()["detail"] and "--chat_template" in response.json()["detail"]
-        completion = http.post("/v1/completions", json={"model": str(folder), "prompt": "def", "max_tokens": 2})
-        assert completion.status_code == 200, completion.text
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not server.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.1)
+        api = client(f"http://127.0.0.1:{port}/v1")
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.chat.completions.create(model=str(folder), messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        assert "no chat template" in refused.value.message and "--chat_template" in refused.value.message
+        assert refused.value.body["type"] == "invalid_request_error"
+        with pytest.raises(openai.BadRequestError, match="pinned to"):  # Transformers' own refusals too
+            api.completions.create(model="another-model", prompt="def", max_tokens=2)
+        assert api.completions.create(model=str(folder), prompt="def", max_tokens=2).choices[0].text is not None
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def test_a_model_that_is_nowhere_is_one_line_at_once(tmp_path, monkeypatch):
+    """Issue 46: `hf-ppmoe serve no-such-model` retried the Hub for a minute and ended in a 67-line traceback. A path
+    that can only be local, and a name in no local folder and no cache, are one line, with the Hub asked once."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf-home"))
+    for model, words in ((str(tmp_path / "no-such"), "no such folder."),
+                         ("no-such-model", "no model of that name in the local Hub cache")):
+        result = subprocess.run([sys.executable, "-m", "hf_ppmoe_cli", "serve", model, "--host", "127.0.0.1"],
+                                capture_output=True, text=True, timeout=300, env=env)
+        lines = result.stderr.splitlines()
+        assert result.returncode == 2 and result.stdout == "" and len(lines) == 1, result
+        assert lines[0].startswith(f"hf-ppmoe serve: error: MODEL {model}: ") and words in lines[0], lines
+
+    import huggingface_hub
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    from hf_ppmoe.serving import model_problem
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda *a, **k: None)
+    asked = []
+
+    def unreachable(self, repo, **kwargs):
+        asked.append(repo)
+        raise ConnectionError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unreachable)
+    assert model_problem("no-such-model") == ("MODEL no-such-model: no such folder, and the Hub cannot be reached to "
+                                              "look for one (ConnectionError: [Errno -2] Name or service not known).")
+    assert asked == ["no-such-model"]  # once: no retries
+
+    def unknown(self, repo, **kwargs):
+        from types import SimpleNamespace
+
+        raise RepositoryNotFoundError("404 Client Error: Repository Not Found", response=SimpleNamespace(headers={}, request=None))
+
+    monkeypatch.setattr(huggingface_hub.HfApi, "model_info", unknown)
+    assert "no model of that name on the Hub" in model_problem("user/no-such-model")
+    assert model_problem(str(tmp_path)) is None  # a folder: for the loader to read

@@ -22,7 +22,9 @@ from helpers import KILLED_AFTER_STEP_5
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 DOCS = builtin_corpus()[:12]
-PARAGRAPHS = [p.strip() for p in "\n\n".join(DOCS).split("\n\n") if p.strip()]  # all.txt's documents
+ALL = "\n\n".join(DOCS)  # all.txt, whole: its one document (--sample_by document, the default)
+PARAGRAPHS = [p.lstrip("\n").rstrip() for p in ALL.split("\n\n") if p.strip()]  # --sample_by paragraph (indents kept)
+LINES = [line.rstrip() for line in ALL.splitlines() if line.strip()]  # --sample_by line
 B = 16
 
 
@@ -33,8 +35,8 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """The same 12 documents as 3 .jsonl shards, as .parquet, .csv and a save_to_disk folder; and as .txt (where
-    a document's blank lines cut it into several)."""
+    """The same 12 documents as 3 .jsonl shards, as .parquet, .csv and a save_to_disk folder; and as one .txt (one
+    document, or cut at its blank lines or lines, --sample_by)."""
     import datasets
 
     root = tmp_path_factory.mktemp("shards")
@@ -55,7 +57,9 @@ def arguments(tmp_path, **extra):
 
 def test_every_source_kind_packs_the_same_blocks(shards, tokenizer, tmp_path):
     for source, documents in (
-        (dict(train_file=[str(shards / "all.txt")]), PARAGRAPHS), (dict(train_file=[str(shards / "part-*.jsonl")]), DOCS),
+        (dict(train_file=[str(shards / "all.txt")]), [ALL]),
+        (dict(train_file=[str(shards / "all.txt")], sample_by="paragraph"), PARAGRAPHS),
+        (dict(train_file=[str(shards / "all.txt")], sample_by="line"), LINES), (dict(train_file=[str(shards / "part-*.jsonl")]), DOCS),
         (dict(train_file=[str(shards / "all.parquet")]), DOCS), (dict(train_file=[str(shards / "all.csv")]), DOCS),
         (dict(dataset_name=str(shards / "saved")), DOCS),
     ):
@@ -68,10 +72,29 @@ def test_every_source_kind_packs_the_same_blocks(shards, tokenizer, tmp_path):
         assert len({f.name for f in (tmp_path / "cache").iterdir()}) >= 1
 
 
+def test_a_txt_file_is_one_document_by_default_code_and_all(tmp_path):
+    """Issue 46: .txt files were cut at every blank line, which cuts code inside its functions (and took the first
+    line's indentation). By default a file is one document, as `datasets`' text loader names it (sample_by="document");
+    "paragraph" and "line" cut it as their names say, and every mode keeps indentation. Each is its own cache key."""
+    from hf_ppmoe.training.data import Source, read_text_files
+
+    code = "    x = 1\n\ndef add(a, b):\n    total = a + b\n\n    return total\n\n\n"
+    (tmp_path / "code.txt").write_text(code)
+    files = [str(tmp_path / "code.txt")]
+    assert read_text_files(files) == [code.rstrip()]
+    assert read_text_files(files, sample_by="paragraph") == ["    x = 1", "def add(a, b):\n    total = a + b", "    return total"]
+    assert read_text_files(files, sample_by="line") == ["    x = 1", "def add(a, b):", "    total = a + b", "    return total"]
+    keys = [Source(files, sample_by=mode).key() for mode in ("document", "paragraph", "line")]
+    assert len({json.dumps(k) for k in keys}) == 3
+    with pytest.raises(ValueError, match="--sample_by sentence: use one of document, paragraph, line"):
+        TrainArguments(train_file=files, sample_by="sentence")
+
+
 def test_builtin_corpus_and_validation_file(shards, tokenizer, tmp_path):
     data = load_data(arguments(tmp_path), tokenizer)  # the demo's / README's first command's data
     assert data.num_blocks == len(pack(builtin_corpus(), tokenizer, B)) - max(1, len(pack(builtin_corpus(), tokenizer, B)) // 20)
-    data = load_data(arguments(tmp_path, train_file=[str(shards / "all.txt")], validation_file=[str(shards / "part-0.jsonl")]), tokenizer)
+    data = load_data(arguments(tmp_path, train_file=[str(shards / "all.txt")], validation_file=[str(shards / "part-0.jsonl")],
+                               sample_by="paragraph"), tokenizer)
     assert data.num_blocks == len(pack(PARAGRAPHS, tokenizer, B))  # nothing held out of train
     batches = list(data.validation_batches())
     assert torch.equal(torch.cat([b["input_ids"] for b in batches]), pack(DOCS[:4], tokenizer, B)[:8])
@@ -123,7 +146,7 @@ def tokenize_then_die(texts, tokenizer):
     return tokenize(texts, tokenizer)
 
 blocks.tokenize, blocks.TEXT_BATCH = tokenize_then_die, 5
-args = TrainArguments(train_file=[sys.argv[1]], block_size=16, data_cache_dir=sys.argv[2])
+args = TrainArguments(train_file=[sys.argv[1]], block_size=16, data_cache_dir=sys.argv[2], sample_by="paragraph")
 blocks.load_data(args, train_tokenizer(builtin_corpus()[:40], vocab_size=300))
 """
 
@@ -133,7 +156,7 @@ def test_killed_preparation_leaves_no_entry(shards, tokenizer, tmp_path):
                             env=ENV, capture_output=True, text=True, timeout=300)
     assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
     assert not list((tmp_path / "cache").glob("*/info.json")) and list((tmp_path / "cache").glob(".*.saving-*"))
-    data = load_data(arguments(tmp_path, train_file=[str(shards / "all.txt")]), tokenizer)
+    data = load_data(arguments(tmp_path, train_file=[str(shards / "all.txt")], sample_by="paragraph"), tokenizer)
     total = len(pack(PARAGRAPHS, tokenizer, B))
     assert data.prepared_here and data.num_blocks == total - max(1, total * 5 // 100)
     assert not list((tmp_path / "cache").glob(".*.saving-*"))  # the dead writer's folder is cleaned up
@@ -156,7 +179,7 @@ def test_streamed_resume_and_rank_split(shards, tokenizer, tmp_path):
     # ranks: each packs its own documents (whole shards when they divide evenly), none twice, together all of them;
     # without a shuffle buffer a rank's blocks are its documents' tokens in order
     in_order = arguments(tmp_path, train_file=[str(shards / "part-*.jsonl")], streaming=True, shuffle_buffer_size=1,
-                         validation_split_percentage=0, per_device_train_batch_size=1)
+                         validation_split_percentage=0, per_device_train_batch_size=1, sample_by="paragraph")
     for files, world in (([str(shards / "part-*.jsonl")], 3), ([str(shards / "all.txt")], 2)):
         in_order.train_file = files
         seen = []
@@ -172,7 +195,7 @@ def test_streamed_resume_and_rank_split(shards, tokenizer, tmp_path):
 
 def test_streamed_validation_is_held_out(shards, tokenizer, tmp_path):
     args = arguments(tmp_path, train_file=[str(shards / "all.txt")], streaming=True, validation_split_percentage=30,
-                     eval_batches=0, per_device_train_batch_size=1, shuffle_buffer_size=1)
+                     eval_batches=0, per_device_train_batch_size=1, shuffle_buffer_size=1, sample_by="paragraph")
     data = load_data(args, tokenizer)
     held = [t for t in PARAGRAPHS if blocks_module._held_out(t, 30)]
     assert 0 < len(held) < len(PARAGRAPHS)
