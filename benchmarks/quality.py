@@ -38,8 +38,9 @@ until its cool-down starts, so each (arm, seed) trains once on the longest budge
 branches from it at its cool-down; each branch is exactly the run `hf-ppmoe demo --tokens` makes at that budget.
 
 Every finished (arm, seed, budget) run is written to the results JSON at once (benchmarks/results/quality_<setting>
-.json by default; several processes may share it); a rerun skips the runs found there, so an interrupted run
-continues where it stopped. The report (markdown table and a PNG of the curves) is rewritten after every run.
+.json by default; several processes may share it); a rerun skips the runs found there and goes
+on from an arm's last saved fork (under `--work`, per setting; saving and loading a run are exact), so an interrupted run continues where it stopped. The report
+(markdown table and a PNG of the curves) is rewritten after every run.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import fcntl
+import hashlib
 import json
 import math
 import os
@@ -181,6 +183,7 @@ def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[i
                    "threads": torch.get_num_threads()}  # of the first call: the one that made the runs, mostly
     store = Results(results_path, s, stats, environment)
     budgets, trained = sorted(budgets), []
+    setting_digest = hashlib.sha1(json.dumps(s.compatible(), sort_keys=True).encode()).hexdigest()[:10]
     check = check_blocks(data, s)
 
     def finish(k: str, run: Run, started: int, began: tuple, **extra) -> None:
@@ -203,17 +206,25 @@ def run_all(s: Setting, name: str, results_path: Path, work: Path, seeds: list[i
                       or (upcycled and key("upcycle_moe", seed, b) not in done)]
             if not wanted:
                 continue
-            states = work / "states" / f"{name}-{arm}-{seed}"
+            states = work / "states" / f"{name}-{arm}-{seed}-{setting_digest}"  # never another setting's saved run
             forks = sorted({cooldown_start(s, b) for b in budgets[:-1]} | ({b // 2 for b in budgets} if upcycled else set()))
             if any(point % s.eval_every for point in forks):
                 raise SystemExit(f"--budgets {budgets}: every budget's cool-down start and half must be a multiple of "
                                  f"eval_every ({s.eval_every} steps), where a run can be saved; {forks}")
             last, began = budgets[-1], (time.perf_counter(), time.process_time())
-            run = Run.start(build(s, data["tokenizer"], arm, seed), s, seed)
+            saved = [point for point in forks if (states / f"step{point}").is_dir()]
+            if saved:  # an interrupted arm goes on from its last saved fork (save and load are exact)
+                run = Run.load(states / f"step{saved[-1]}", s)
+            else:
+                run = Run.start(build(s, data["tokenizer"], arm, seed), s, seed)
             for point in forks:  # the longest budget's run, saved where shorter budgets branch off
+                if point <= run.step:
+                    continue
                 train(run, data, s, point, last, label=f"{arm}/{seed}", verbose=verbose)
                 run.save(states / f"step{point}")
             for b in budgets:
+                if b not in wanted:
+                    continue
                 if b == last:
                     branch = train(run, data, s, last, last, label=key(arm, seed, last), verbose=verbose)
                 else:

@@ -1,7 +1,7 @@
 """benchmarks/quality.py end to end at its smoke setting (2 arms + the upcycling arm at two budgets, then the
 balancing arms, 1 seed, a few steps): the corpus split is by file and disjoint, token counts match the stored streams,
 the equal-FLOPs and equal-parameter arms are equal where they claim to be, the upcycled model starts from the dense
-run at half the budget, a rerun trains nothing, and the budget curve the demo quotes is the results file's."""
+run at half the budget, a rerun trains nothing and an interrupted arm goes on from its saved fork, and the budget curve the demo quotes is the results file's."""
 
 import dataclasses
 import importlib.util
@@ -86,6 +86,14 @@ def test_smoke_run_end_to_end_and_resume(quality, tmp_path, monkeypatch):
         assert up["train_tokens"] == dense["train_tokens"] // 2 and up["data_order"] == dense["data_order"]
 
     assert quality.main(args) == [], "a rerun finds every run in the results file"
+    # an arm stopped after its saved fork goes on from it, to the same numbers as the unbroken run
+    interrupted = json.loads(results.read_text())
+    del interrupted["runs"]["switch/0@20"]
+    results.write_text(json.dumps(interrupted))
+    with monkeypatch.context() as m:
+        m.setattr(quality.Run, "start", classmethod(lambda *a, **k: pytest.fail("the arm started over")))
+        assert quality.main([*args, "--arms", "switch"]) == ["switch/0@20"]
+    assert json.loads(results.read_text())["runs"]["switch/0@20"]["curve"] == runs["switch/0@20"]["curve"]
     # the balancing arms keep running; without the dense arm no upcycling (it continues the dense run)
     balancing = ["top2", "top2_seq", "top2_global", "top2_bias", "top2_sigmoid", "top2_sigmoid_bias"]
     assert quality.main([*args[:-3], "--arms", *balancing]) == [f"{arm}/0@{s.steps}" for arm in balancing]
