@@ -52,8 +52,9 @@ def compare(mine: dict, theirs: dict, better: str = "lower", unit: str = "nats")
 
 def claims(arms: dict, tokens: int | None = None, curve: dict | None = None) -> dict:
     """Every claim whose arms ran: per-seed differences, their mean and standard deviation, the verdict; with the
-    budget curve measured for this protocol (`budget.CURVE`), what it says at the run's `tokens` and the smallest
-    budget at which the claim clears the rule there ("budget")."""
+    budget curve measured for this protocol (`budget.CURVE`), what it says at the run's `tokens` ("here") and the
+    smallest budget from which on the rule holds for every set of as many curve seeds as a demo runs ("clears_at":
+    the budget at which any seeds a user picks should clear it, if they behave like the curve's)."""
     out = {}
     for name, statement, arm, baseline in CLAIMS:
         if arm not in arms or baseline not in arms:
@@ -62,9 +63,9 @@ def claims(arms: dict, tokens: int | None = None, curve: dict | None = None) -> 
                      **compare(arms[arm]["held_out_loss"], arms[baseline]["held_out_loss"])}
         if curve and name in curve["claims"]:
             points = curve["claims"][name]
-            clears = None  # the smallest budget from which on every measured budget holds
+            clears = None  # the smallest budget from which on every set of seeds holds, at every measured budget
             for p in sorted(points, key=lambda p: -p["tokens"]):
-                if p["verdict"] != "holds":
+                if p["subsets"]["holds"] < p["subsets"]["of"]:
                     break
                 clears = p["tokens"]
             out[name]["curve"] = {"seeds": curve["seeds"], "points": points, "clears_at": clears,
@@ -121,19 +122,26 @@ def publish(root: Path, results: dict, render: Callable[[dict], str]) -> Path:
 
 
 def budget_sentence(claim: dict) -> str:
-    """What the budget curve (more seeds, several budgets) says about the claim, and which budget clears it."""
+    """What the budget curve (more seeds, several budgets) says about the claim at this run's budget, and from which
+    budget on the rule holds for any seeds."""
     c = claim.get("curve")
     if c is None:
         return "No budget curve was measured for this setting."
-    seeds = f"{len(c['seeds'])} seeds ({', '.join(map(str, c['seeds']))})"
-    points = "; ".join(f"{p['tokens'] / 1e6:.2f}M tokens: {p['verdict']}, lower in {p['agree']} of {len(p['per_seed'])}, "
-                       f"mean {p['mean']:+.4f} sd {p['std']:.4f}" for p in c["points"])
+    n, size = len(c["seeds"]), c["points"][0]["subsets"]["size"]
+    seeds = ", ".join(map(str, c["seeds"]))
+    here = c["here"]
+    said = (f"The budget curve (seeds {seeds}; benchmarks/RESULTS.md) at this budget: lower in {here['agree']} of "
+            f"{n} (mean {here['mean']:+.4f}, sd {here['std']:.4f}); the rule holds for {here['subsets']['holds']} of the "
+            f"{here['subsets']['of']} sets of {size} of them. " if here else
+            f"The budget curve (seeds {seeds}; benchmarks/RESULTS.md) has no point at this budget. ")
+    largest = max(p["tokens"] for p in c["points"])
     if c["clears_at"] is None:
-        verdict = f"it does not clear the rule at any budget measured (up to {max(p['tokens'] for p in c['points']) / 1e6:.2f}M tokens)"
-    else:
-        verdict = (f"it clears the rule from {c['clears_at'] / 1e6:.2f}M tokens per run on: "
-                   f"`hf-ppmoe demo --tokens {c['clears_at']}`")
-    return f"The budget curve (benchmarks/RESULTS.md, {seeds}): {points}. So {verdict}."
+        return said + (f"No budget it measured (up to {largest / 1e6:.2f}M tokens per run) clears the rule for every "
+                       f"set of {size} seeds.")
+    if here and c["clears_at"] <= here["tokens"]:
+        return said + f"Any {size} seeds should clear it here."
+    return said + (f"From {c['clears_at'] / 1e6:.2f}M tokens per run on (up to {largest / 1e6:.2f}M measured), every set "
+                   f"of {size} clears it: `hf-ppmoe demo --tokens {c['clears_at']}`.")
 
 
 def _millions(n: int) -> str:

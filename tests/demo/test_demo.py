@@ -179,19 +179,25 @@ def test_the_report_states_exactly_the_verdicts_of_results_json(demo):
 
 
 def test_the_report_quotes_the_budget_curve():
-    points = [{"tokens": t, "per_seed": {"0": d, "1": d - 0.01, "2": d - 0.02}, "mean": d - 0.01, "std": 0.01,
-               "agree": 3 if d < 0 else 1, "verdict": v}
-              for t, d, v in ((1_000, 0.005, "not shown"), (2_000, -0.01, "not shown"), (4_000, -0.03, "holds"),
-                              (8_000, -0.05, "holds"))]
-    curve = {"setting": QUICK.compatible(), "seeds": [0, 1, 2], "claims": {"from_scratch": points}}
+    # per budget: the verdict over all 5 seeds, and how many of the 10 sets of 3 (a demo's seeds) it holds for
+    points = [{"tokens": t, "per_seed": {str(i): d - 0.005 * i for i in range(5)}, "mean": d - 0.01, "std": 0.008,
+               "agree": 5 if d < 0 else 2, "verdict": v, "subsets": {"size": 3, "holds": h, "of": 10}}
+              for t, d, v, h in ((1_000, 0.005, "not shown", 0), (2_000, -0.01, "holds", 7), (4_000, -0.03, "holds", 10),
+                                 (8_000, -0.05, "holds", 10))]
+    curve = {"setting": QUICK.compatible(), "seeds": [0, 1, 2, 3, 4], "claims": {"from_scratch": points}}
     arms = {a: {"held_out_loss": {"0": 4.0, "1": 4.1, "2": 4.2}} for a in ("dense", "moe_scratch", "moe_upcycled")}
     verdicts = claims(arms, 2_000, curve)
-    assert verdicts["from_scratch"]["curve"]["clears_at"] == 4_000
+    assert verdicts["from_scratch"]["curve"]["clears_at"] == 4_000  # all 5 hold at 2,000, but not every 3 of them
     assert verdicts["from_scratch"]["curve"]["here"]["tokens"] == 2_000
-    assert "clears the rule from 0.00M tokens per run on: `hf-ppmoe demo --tokens 4000`" in budget_sentence(verdicts["from_scratch"])
+    said = budget_sentence(verdicts["from_scratch"])
+    assert "lower in 5 of 5" in said and "the rule holds for 7 of the 10 sets of 3" in said
+    assert "every set of 3 clears it: `hf-ppmoe demo --tokens 4000`" in said
+    assert "Any 3 seeds should clear it here" in budget_sentence(claims(arms, 4_000, curve)["from_scratch"])
     assert "curve" not in verdicts["upcycling"] and "No budget curve" in budget_sentence(verdicts["upcycling"])
-    points[2]["verdict"] = "not shown"  # a budget that holds below one that does not: "from" the last run of holds
+    points[2]["subsets"]["holds"] = 9  # a budget where every set holds below one where one does not: "from" the last
     assert claims(arms, 2_000, curve)["from_scratch"]["curve"]["clears_at"] == 8_000
+    points[3]["subsets"]["holds"] = 9
+    assert "No budget it measured (up to 0.01M tokens per run) clears" in budget_sentence(claims(arms, 2_000, curve)["from_scratch"])
     assert curve_for(QUICK) is None  # the curve stored with the package was measured for the CPU setting only
 
 
