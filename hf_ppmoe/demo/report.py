@@ -136,8 +136,12 @@ def budget_sentence(claim: dict) -> str:
             f"The budget curve (seeds {seeds}; benchmarks/RESULTS.md) has no point at this budget. ")
     largest = max(p["tokens"] for p in c["points"])
     if c["clears_at"] is None:
+        best = max(c["points"], key=lambda p: p["subsets"]["holds"])
+        lower, runs = sum(p["agree"] for p in c["points"]), sum(len(p["per_seed"]) for p in c["points"])
         return said + (f"No budget it measured (up to {largest / 1e6:.2f}M tokens per run) clears the rule for every "
-                       f"set of {size} seeds.")
+                       f"set of {size} seeds; the most sets hold at {best['tokens'] / 1e6:.2f}M "
+                       f"({best['subsets']['holds']} of {best['subsets']['of']}). The arm ends lower in {lower} of the "
+                       f"curve's {runs} runs.")
     if here and c["clears_at"] <= here["tokens"]:
         return said + f"Any {size} seeds should clear it here."
     return said + (f"From {c['clears_at'] / 1e6:.2f}M tokens per run on (up to {largest / 1e6:.2f}M measured), every set "

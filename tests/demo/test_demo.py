@@ -197,7 +197,9 @@ def test_the_report_quotes_the_budget_curve():
     points[2]["subsets"]["holds"] = 9  # a budget where every set holds below one where one does not: "from" the last
     assert claims(arms, 2_000, curve)["from_scratch"]["curve"]["clears_at"] == 8_000
     points[3]["subsets"]["holds"] = 9
-    assert "No budget it measured (up to 0.01M tokens per run) clears" in budget_sentence(claims(arms, 2_000, curve)["from_scratch"])
+    said = budget_sentence(claims(arms, 2_000, curve)["from_scratch"])
+    assert "No budget it measured (up to 0.01M tokens per run) clears" in said and "the most sets hold at 0.00M (9 of 10)" in said
+    assert "The arm ends lower in 17 of the curve's 20 runs" in said
     assert curve_for(QUICK) is None  # the curve stored with the package was measured for the CPU setting only
 
 
