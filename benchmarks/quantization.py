@@ -15,8 +15,8 @@ Transformers' Qwen3-MoE under the same calls, in one run. Three parts, protocol 
    deviation, for a GPT-MoE (Llama layout, 8 experts, top-2) and the same-shape dense Llama (hidden 256, inner 512, 2
    layers, vocab 512), seeds 0, 1, 2 (the same seed builds both); NF4, FP4, int8; the ratio MoE / dense.
 3. Held-out loss of a trained MoE before and after quantization: `hf-ppmoe demo`'s protocol (hf_ppmoe.demo.protocol,
-   its CPU setting: hidden 64, 4 layers, MoE every other layer, 16 experts of 128, top-2; the CPython standard
-   library corpus), the `moe_scratch` arm and the `dense_scratch` control trained --train-steps steps on seed 0, then
+   its CPU setting, revision 2: hidden 64, 4 layers, an MoE in every FFN, top-2 of 4 experts of 128; the CPython
+   standard library corpus), the `moe_scratch` arm and the `dense` control trained --train-steps steps on seed 0, then
    the held-out LM loss at float32, NF4, FP4, int8.
 
     python benchmarks/quantization.py --json benchmarks/results/quantization_cpu.json
@@ -215,23 +215,23 @@ def logit_errors(args, work: Path) -> list[dict]:
 def held_out_losses(args, work: Path) -> list[dict]:
     import dataclasses
 
-    from hf_ppmoe.demo import protocol
+    from hf_ppmoe.demo import loop, protocol
 
-    s = protocol.QUICK if args.smoke else dataclasses.replace(protocol.CPU, steps=args.train_steps, evals=1)
-    if args.smoke:  # sizes in whole 64-value blocks: bitsandbytes' CPU 4-bit kernels
-        s = dataclasses.replace(s, hidden=64)
-    data = protocol.corpus(work / "corpus", s.vocab, s.max_files, None if args.smoke else protocol.DEMO_TRAIN_BYTES)
-    blocks = protocol.held_out_blocks(data, s)
+    steps = 8 if args.smoke else args.train_steps
+    base = dataclasses.replace(protocol.QUICK, hidden=64) if args.smoke else protocol.CPU  # smoke: whole 64-value blocks
+    s = dataclasses.replace(base, steps=steps, eval_every=steps)  # bitsandbytes' CPU 4-bit kernels need the former
+    data = protocol.corpus(work / "corpus", s.vocab, s.max_files)
+    blocks = loop.held_out_blocks(data, s)
     rows = []
-    for arm in ("moe_scratch", "dense_scratch"):
-        model = protocol.build(s, data["tokenizer"], protocol.SCRATCH_ARMS[arm][1], seed=0)
-        protocol.train(model, data, s, s.steps, data_seed=0, label=arm, verbose=not args.smoke)
-        model.save_pretrained(work / arm)
-        losses = {"float32": protocol.evaluate(GPTMoEForCausalLM.from_pretrained(work / arm), blocks, s)}
+    for arm in ("moe_scratch", "dense"):
+        run = loop.Run.start(protocol.build(s, data["tokenizer"], protocol.SCRATCH_ARMS[arm][1], seed=0), s, 0)
+        loop.train(run, data, s, s.steps, s.steps, label=arm, verbose=not args.smoke)
+        run.model.save_pretrained(work / arm)
+        losses = {"float32": loop.evaluate(GPTMoEForCausalLM.from_pretrained(work / arm), blocks, s)}
         for name, config in ERROR_CONFIGS.items():
             quantized = AutoModelForCausalLM.from_pretrained(work / arm, quantization_config=BitsAndBytesConfig(**config))
-            losses[name] = protocol.evaluate(quantized, blocks, s)
-        rows.append(dict(arm=arm, steps=s.steps, tokens=s.steps * s.batch * s.block, **losses))
+            losses[name] = loop.evaluate(quantized, blocks, s)
+        rows.append(dict(arm=arm, steps=s.steps, tokens=s.tokens(), **losses))
     return rows
 
 
