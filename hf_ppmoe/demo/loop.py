@@ -114,13 +114,15 @@ def held_out_blocks(data: dict, s, count: int | None = None) -> torch.Tensor:
 def window_losses(model, blocks: torch.Tensor, s) -> torch.Tensor:
     """Per held-out window, the mean next-token cross-entropy (`token_losses`: router losses excluded), float64."""
     model.eval()
-    losses = []
-    for x in blocks.split(s.batch):
+    # written into one tensor: a list of small per-batch tensors, kept while an MoE's batches allocate tensors of
+    # varying sizes, pins the allocator's heap (an upcycled MoE's 2,560 windows grew a process by 1.4 GB)
+    losses = torch.empty(len(blocks), dtype=torch.float64)
+    for start in range(0, len(blocks), s.batch):
         with torch.autocast(s.device, dtype=torch.bfloat16, enabled=s.bf16):
-            ce, _ = token_losses(model, x.to(s.device))
-        losses.append(ce.double().mean(1).cpu())
+            ce, _ = token_losses(model, blocks[start : start + s.batch].to(s.device))
+        losses[start : start + len(ce)] = ce.double().mean(1).cpu()
     model.train()
-    return torch.cat(losses)
+    return losses
 
 
 def evaluate(model, blocks: torch.Tensor, s) -> float:
