@@ -1,8 +1,22 @@
+import importlib.util
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str):
+    """benchmarks/NAME.py as a module (registered in sys.modules: its dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def tiny_gpt_config(**overrides):

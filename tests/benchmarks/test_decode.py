@@ -2,18 +2,12 @@
 tokens equal to `generate`'s, and the rows the RESULTS.md table is made of. No times are asserted."""
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode.py"
+from helpers import load_benchmark
 
 
 def test_decode_benchmark_rows():
-    spec = importlib.util.spec_from_file_location("benchmarks_decode", PATH)
-    decode = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = decode
-    spec.loader.exec_module(decode)
+    decode = load_benchmark("decode")
     models = {name: decode.build(name, "cpu") for name in ("gpt_moe", "qwen3_moe")}
     args = argparse.Namespace(rounds=1, new_tokens=2)
     rows = decode.measure(models, 2, args, dict(num_blocks=16, max_batch_tokens=128, page_size=32))

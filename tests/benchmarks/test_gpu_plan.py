@@ -1,20 +1,14 @@
 """benchmarks/gpu.py plans before it runs: every case is sized against the card's memory and skipped with the reason
 where it cannot fit (`--plan` shows it without a GPU); MFU counts attention and uses the named card's own peak."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    spec = importlib.util.spec_from_file_location("benchmarks_gpu", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu")
 
 
 def test_plan_lists_every_case_and_skips_what_cannot_fit(gpu, capsys):

@@ -4,26 +4,21 @@ the equal-FLOPs and equal-parameter arms are equal where they claim to be, the u
 run at half the budget, a rerun trains nothing and an interrupted arm goes on from its saved fork, and the budget curve the demo quotes is the results file's."""
 
 import dataclasses
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from hf_ppmoe.training.data import train_tokenizer
+from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality_benchmark", ROOT / "benchmarks" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 def test_arms_are_equal_in_active_flops_and_parameters(quality):

@@ -2,22 +2,16 @@
 row the RESULTS.md tables are made of, GPT-MoE's experts stored quantized where Transformers' Qwen3-MoE's are not.
 No times are asserted."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
+from helpers import load_benchmark
+
 pytest.importorskip("bitsandbytes", reason="the quantization benchmark needs bitsandbytes (the test extra)")
 pytest.importorskip("trl", reason="the quantization benchmark names trl's version (the test extra)")
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "quantization.py"
-
 
 def test_quantization_benchmark_rows(tmp_path):
-    spec = importlib.util.spec_from_file_location("benchmarks_quantization", PATH)
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_benchmark("quantization")
     result = bench.main(["--smoke", "--json", str(tmp_path / "q.json")])
     rows = {(r["model"], r["load"]): r for r in result["footprint"]}
     assert set(rows) == {(m, load) for m in ("gpt_moe", "qwen3_moe") for load in bench.LOADS}

@@ -4,23 +4,17 @@ launches no more kernels than it, plus the router losses ours computes in traini
 one: the index clamp that gives the anchor rows a token). Device-independent counts only; the GPU's times are
 benchmarks/gpu.py's."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "traffic.py"
+from helpers import load_benchmark
+
 T, H, F = 16384, 2048, 1408  # benchmarks/gpu.py's layer shapes
 
 
 @pytest.fixture(scope="module")
 def traffic():
-    spec = importlib.util.spec_from_file_location("benchmarks_traffic", PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("traffic")
 
 
 @pytest.mark.parametrize("k", [1, 2, 8])

@@ -5,10 +5,7 @@ last digit; the schedule is Transformers' WSD; upcycling copies the optimizer st
 results.json (a claim only when every seed agrees beyond twice the spread) and quote the budget curve."""
 
 import hashlib
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +20,9 @@ from hf_ppmoe.demo.options import DemoArguments
 from hf_ppmoe.demo.protocol import CPU, QUICK, SCRATCH_ARMS, build, check_blocks, flops_per_token, upcycle_run
 from hf_ppmoe.demo.report import budget_sentence, claims, judge, report_markdown, sentence
 from hf_ppmoe.demo.runs import load_data, run_job
+from helpers import load_benchmark
 
 ARMS = ["dense", "moe_scratch", "moe_upcycled"]
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
@@ -46,11 +42,7 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def quality():
-    spec = importlib.util.spec_from_file_location("quality_for_demo", ROOT / "benchmarks" / "quality.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("quality")
 
 
 def test_every_arm_runs_and_results_json_has_every_field(demo):

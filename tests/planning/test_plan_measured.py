@@ -7,23 +7,12 @@ Transformers' all-reduce and all-to-all expert parallelism.
 
 The measuring code is benchmarks/plan.py's (and expert_parallel.py's): the test holds the benchmark's numbers."""
 
-import importlib.util
-import sys
 import types
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
-
-
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", BENCHMARKS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_benchmark
 
 
 # (shape, layout, micro-batch, sequence length, pipeline microbatches): benchmarks/plan.py's shapes, 4 processes
@@ -45,7 +34,7 @@ def test_state_activations_and_collectives_per_rank(case):
     """State exact, activations within 5%, the step's collectives (op and bytes) exactly the predicted ones."""
     import torch.distributed as dist
 
-    plan = _load("plan")
+    plan = load_benchmark("plan")
     shape, sizes, micro_batch, seq_len, microbatches = case
     world, rank = dist.get_world_size(), dist.get_rank()
     measured = plan.measure(shape, sizes, micro_batch, seq_len, microbatches)
@@ -62,7 +51,7 @@ def test_moe_layer_collectives_equal_the_expert_parallel_benchmark():
     """Per collective, in order, forward and backward: PPMoE (one all-reduce [T, H] each way and the routing weights'
     [T, K]), Transformers' all-reduce EP (the same), Transformers' all-to-all EP (counts, rows out and back, the
     tensor-parallel all-gathers), with balanced routes replayed."""
-    bench = _load("expert_parallel")
+    bench = load_benchmark("expert_parallel")
     args = types.SimpleNamespace(tokens=64, hidden=32, inner=64, layers=1, experts=4, topk=2)
     routes = bench.balanced_routes(args)
     for variant in (("ppmoe", "index"), ("all_reduce", "index"), ("all_to_all", "index")):
