@@ -38,9 +38,9 @@ until its cool-down starts, so each (arm, seed) trains once on the longest budge
 branches from it at its cool-down; each branch is exactly the run `hf-ppmoe demo --tokens` makes at that budget.
 
 Every finished (arm, seed, budget) run is written to the results JSON at once (benchmarks/results/quality_<setting>
-.json by default; several processes may share it); a rerun skips the runs found there and goes
-on from an arm's last saved fork (under `--work`, per setting; saving and loading a run are exact), so an interrupted run continues where it stopped. The report
-(markdown table and a PNG of the curves) is rewritten after every run.
+.json by default; several processes may share it); a rerun skips the runs found there and goes on from an arm's
+last saved fork (under `--work`, per setting; saving and loading a run are exact), so an interrupted run continues
+where it stopped. The report (markdown table and a PNG of the curves) is rewritten after every run.
 """
 
 from __future__ import annotations

@@ -101,15 +101,15 @@ def train_arms(args: DemoArguments, root: Path, run: dict) -> dict[str, dict]:
     arms = {}
     for arm in [*run["scratch"], UPCYCLED[0]]:
         first = records[arm, seeds[0]]
+        start = s.tokens(first["steps"]) - first["train_tokens"]  # an upcycled run starts at half the budget
         arms[arm] = {
             "description": run["protocol"]["arms"][arm], "params_total": first["params"]["total"],
             "params_active": first["params"]["active"], "flops_per_token": first["flops_per_token"]["train"],
             "flops_per_token_parts": first["flops_per_token"], "train_tokens": first["train_tokens"],
-            "start_tokens": s.tokens(first["steps"]) - first["train_tokens"],
+            "start_tokens": start,
             "held_out_loss": {str(seed): records[arm, seed]["val_loss"] for seed in seeds},
-            "curve": {str(seed): [[p["tokens"], p["val_loss"]] for p in records[arm, seed]["curve"]
-                                  if p["step"] * s.batch * s.block >= s.tokens(first["steps"]) - first["train_tokens"]]
-                      for seed in seeds},  # an upcycled run's own points: from its start
+            "curve": {str(seed): [[p["tokens"], p["val_loss"]] for p in records[arm, seed]["curve"] if p["tokens"] >= start]
+                      for seed in seeds},  # a run's own points: from its start
             "data_order": {str(seed): records[arm, seed]["data_order"] for seed in seeds},
             "tokens_per_cpu_s": {str(seed): records[arm, seed]["tokens_per_cpu_s"] for seed in seeds},
         }
